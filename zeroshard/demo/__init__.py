@@ -1,0 +1,1 @@
+"""`zeroshard demo`: a byte-level GPT trained on the Python standard library's own source."""
