@@ -77,9 +77,7 @@ def test_init_is_deterministic_given_the_seed() -> None:
     a = build_gpt("tiny")
     torch.manual_seed(42)
     b = build_gpt("tiny")
-    for (name, pa), (_, pb) in zip(
-        a.named_parameters(), b.named_parameters(), strict=True
-    ):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(pa, pb), name
 
 

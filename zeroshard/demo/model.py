@@ -72,15 +72,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(
-            1, 2
-        )  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(
-            1, 2
-        )  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(
-            1, 2
-        )  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
@@ -162,9 +156,7 @@ class GPT(nn.Module):
         # grow with depth (GPT-2 paper); each block adds two of them.
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(
-                    param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer)
-                )
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def num_params(self) -> int:
         """Number of distinct parameter elements (the tied weight counted once)."""
@@ -198,9 +190,7 @@ class GPT(nn.Module):
             return logits, None
         # The loss is taken in fp32 even when the model computes in bf16/fp16: the log-softmax
         # over 256 classes is cheap and its rounding would otherwise show in the loss curve.
-        loss = F.cross_entropy(
-            logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
-        )
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     @torch.no_grad()
@@ -219,9 +209,7 @@ class GPT(nn.Module):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature}: must be > 0.")
         for _ in range(max_new_tokens):
-            idx_cond = idx[
-                :, -self.config.block_size :
-            ]  # the context the model can see
+            idx_cond = idx[:, -self.config.block_size :]  # the context the model can see
             logits, _ = self(idx_cond)
             logits = logits[:, -1, :].float() / temperature
             if top_k is not None:
@@ -240,9 +228,7 @@ def build_gpt(preset: str, **overrides) -> GPT:
     Example: `build_gpt("small", n_layer=8)`.
     """
     if preset not in PRESETS:
-        raise ValueError(
-            f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}."
-        )
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}.")
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
