@@ -1,3 +1,82 @@
-"""zeroshard: ZeRO sharded data-parallel training for PyTorch with a precision policy you can read."""
+"""zeroshard: ZeRO sharded data-parallel training for PyTorch with a precision policy you can read.
+
+`import zeroshard as deepspeed` runs a DeepSpeed-style training loop unchanged for the
+supported subset of DeepSpeed's config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import comm
+from .distributed import init_distributed
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "initialize",
+    "init_distributed",
+    "comm",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "__version__",
+]
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    config_params: Any = None,
+):
+    """Wrap `model` for ZeRO training, as `deepspeed.initialize` does.
+
+    Returns:
+        (engine, optimizer, training_dataloader, lr_scheduler); the dataloader is None
+        without `training_data`, the scheduler None when neither given nor configured.
+    """
+    from .config import ConfigError, load_config
+    from .engine import Engine
+    from .precision import resolve_precision_plan
+
+    if model is None:
+        raise ValueError("initialize: model= is required.")
+    if mpu is not None:
+        raise ValueError("initialize: mpu= (model parallelism) is not supported by zeroshard.")
+    raw = config if config is not None else config_params
+    if raw is None and args is not None:
+        raw = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if raw is None:
+        raise ConfigError(
+            "no config: pass config= (a dict or a JSON file path) or args with --deepspeed_config."
+        )
+    if dist_init_required is not False:
+        init_distributed()
+    cfg = load_config(raw, world_size=comm.world_size())
+    plan = resolve_precision_plan(cfg)
+    engine = Engine(
+        model, cfg, plan, optimizer=optimizer, model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def __getattr__(name: str):
+    if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"):
+        from . import full_tensors
+
+        return getattr(full_tensors, name)
+    if name == "zero":
+        import importlib
+
+        return importlib.import_module(".zero", __name__)
+    raise AttributeError(name)

@@ -1,0 +1,483 @@
+"""The Engine: composes units, flat buffers, the backward protocol and the optimizer.
+
+Orchestration only. What a stage does is a `StagePolicy` (stages.py); how gradients are
+reduced is grad_reduce.py; when a backward ends is backward.py; dtypes come from the
+PrecisionPlan (precision.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from . import comm
+from .autocast import forward_context
+from .backward import BackwardCoordinator, wrap_outputs
+from .config import ZeroshardConfig
+from .flat import FlatParamGroup
+from .grad_reduce import reduce_local_grad
+from .loss_scale import make_loss_scaler
+from .optim import build_optimizer, repoint_optimizer
+from .precision import PrecisionPlan, assign_param_groups
+from .stages import stage_policy
+from .unit import Unit
+from .units import plan_units
+
+logger = logging.getLogger("zeroshard")
+
+
+def _optimizer_groups(
+    model: nn.Module, model_parameters: Any, optimizer: Any
+) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    """The optimizer's parameter groups (hyper-parameters without "params") and, for every
+    trainable parameter, the index of its group."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raw_groups = optimizer.param_groups
+    elif model_parameters is None:
+        raw_groups = [{"params": list(model.parameters())}]
+    else:
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            raw_groups = items
+        elif items and isinstance(items[0], tuple):  # named_parameters()
+            raw_groups = [{"params": [p for _, p in items]}]
+        else:
+            raw_groups = [{"params": items}]
+    group_of: dict[int, int] = {}
+    hyper: list[dict[str, Any]] = []
+    for index, group in enumerate(raw_groups):
+        hyper.append({k: v for k, v in group.items() if k != "params"})
+        for p in group["params"]:
+            group_of.setdefault(id(p), index)
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if missing:
+        raise ValueError(
+            f"model_parameters: {len(missing)} trainable parameter(s) are in no optimizer group "
+            f"(first: {missing[:3]}). Add them, or set requires_grad=False on them."
+        )
+    return hyper, group_of
+
+
+class Engine:
+    """A model wrapped for ZeRO data-parallel training (DeepSpeed's engine surface)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroshardConfig,
+        plan: PrecisionPlan,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        training_data: Any = None,
+        collate_fn: Any = None,
+    ) -> None:
+        self.config = config
+        self.precision_plan = plan
+        self.policy = stage_policy(config.zero_optimization.stage)
+        self.world_size = comm.world_size()
+        self.global_rank = comm.rank()
+        self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self.module = model.to(self.device)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._global_grad_norm: float | None = None
+        self._post_clip_grad_norm: float | None = None
+        self._needs_flush = False  # local gradients a backward left unreduced
+
+        hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
+        self._cast_module(model)
+        self.units = self._build_units(model, group_of)
+        self.flats = [f for unit in self.units for f in unit.flats]
+
+        masters_by_group: list[list[torch.Tensor]] = [[] for _ in hyper]
+        for flat in self.flats:
+            masters_by_group[flat.optimizer_group].append(flat.master)
+        self.optimizer = self._make_optimizer(optimizer, hyper, masters_by_group)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.loss_scaler = make_loss_scaler(plan.loss_scale)
+
+        self._coordinator = BackwardCoordinator(
+            self.units,
+            reduce_unit=self._reduce_unit,
+            on_unit_done=self._after_unit_backward,
+            end_of_backward=self._end_of_backward,
+            loss_scale=lambda: self.loss_scaler.scale,
+            early_reduce=self.policy.reduce_every_backward,
+        )
+        self._hook_handles: list[Any] = []
+        self._install_forward_hooks()
+        self.training_dataloader = (
+            self._make_dataloader(training_data, collate_fn) if training_data is not None else None
+        )
+
+    # ------------------------------------------------------------------ setup
+    def _cast_module(self, model: nn.Module) -> None:
+        """Give every parameter its group's dtype; floating buffers follow in bf16/fp16 modes."""
+        names = assign_param_groups(self.precision_plan, model)
+        self._param_group_name = {id(p): names[n] for n, p in model.named_parameters()}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                dtype = self.precision_plan.groups[names[n]].param_dtype
+                if p.dtype != dtype and p.is_floating_point():
+                    p.data = p.data.to(dtype)
+            if self.precision_plan.mode in ("bf16", "fp16"):
+                dtype = next(iter(self.precision_plan.groups.values())).param_dtype
+                for buf_name, buf in model.named_buffers():
+                    if buf.is_floating_point():
+                        owner, _, leaf = buf_name.rpartition(".")
+                        mod = model.get_submodule(owner) if owner else model
+                        mod._buffers[leaf] = buf.to(dtype)
+
+    def _build_units(self, model: nn.Module, group_of: dict[int, int]) -> list[Unit]:
+        extras = self.config.zeroshard
+        specs = plan_units(model, extras.unit_module_classes, extras.unit_min_params)
+        units = []
+        for spec in specs:
+            classes: dict[tuple[str, int], tuple[list[str], list[nn.Parameter]]] = {}
+            for name, p in zip(spec.param_names, spec.params, strict=False):
+                key = (self._param_group_name[id(p)], group_of[id(p)])
+                classes.setdefault(key, ([], []))
+                classes[key][0].append(name)
+                classes[key][1].append(p)
+            flats = [
+                FlatParamGroup(
+                    spec.name, names, params, self.precision_plan.groups[role_name],
+                    opt_group, self.policy, self.device,
+                )
+                for (role_name, opt_group), (names, params) in classes.items()
+            ]
+            units.append(Unit(spec.name, spec.module, flats))
+        self._param_index = {
+            id(p): (flat, i) for unit in units for flat in unit.flats for i, p in enumerate(flat.params)
+        }
+        return units
+
+    def _make_optimizer(self, optimizer, hyper, masters_by_group):
+        groups = [dict(h, params=m) for h, m in zip(hyper, masters_by_group, strict=False)]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return repoint_optimizer(optimizer, masters_by_group)
+        if callable(optimizer):
+            return optimizer(groups)
+        if self.config.optimizer is not None:
+            return build_optimizer(self.config.optimizer.type, dict(self.config.optimizer.params), groups)
+        return None
+
+    def _make_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None:
+            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+                return lr_scheduler(self.optimizer)
+            return lr_scheduler
+        if self.config.scheduler is not None:
+            if self.optimizer is None:
+                raise ValueError("scheduler: a scheduler needs an optimizer; set 'optimizer' too.")
+            from .schedulers import build_scheduler
+
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        return None
+
+    def _make_dataloader(self, dataset, collate_fn):
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        sampler = DistributedSampler(
+            dataset, num_replicas=self.world_size, rank=self.global_rank,
+            shuffle=True, seed=self.config.seed or 0, drop_last=True,
+        )
+        return DataLoader(
+            dataset, batch_size=self.config.train_micro_batch_size_per_gpu,
+            sampler=sampler, collate_fn=collate_fn, drop_last=True,
+        )
+
+    def _install_forward_hooks(self) -> None:
+        root = self.module
+        coord = self._coordinator
+        root_unit = self.units[0]
+        sharded = not self.policy.keep_full_params
+
+        def root_pre(module, args):
+            coord.root_pre_forward()
+            if sharded:
+                root_unit.gather()
+
+        def root_post(module, args, output):
+            coord.root_post_forward()
+            if sharded and not coord.in_backward:
+                root_unit.free()
+            if output is None:
+                return None
+
+            def on_grad(grad):
+                if sharded:
+                    root_unit.gather()
+                return coord.root_output_grad(grad)
+
+            return wrap_outputs(output, on_grad)
+
+        self._hook_handles.append(root.register_forward_pre_hook(root_pre, prepend=True))
+        self._hook_handles.append(root.register_forward_hook(root_post, always_call=True))
+        if not sharded:
+            return
+        for unit in self.units[1:]:
+            self._hook_handles.append(unit.module.register_forward_pre_hook(self._unit_pre(unit)))
+            self._hook_handles.append(unit.module.register_forward_hook(self._unit_post(unit)))
+
+    def _unit_pre(self, unit: Unit):
+        def pre(module, args):
+            unit.gather()
+
+        return pre
+
+    def _unit_post(self, unit: Unit):
+        coord = self._coordinator
+
+        def post(module, args, output):
+            # During a backward the forward is a checkpoint's recomputation: the backward
+            # that follows needs the parameters, so they are freed after it instead.
+            if not coord.in_backward:
+                unit.free()
+
+            def on_grad(grad):
+                unit.gather()
+                return grad
+
+            return wrap_outputs(output, on_grad)
+
+        return post
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module under the precision policy (autocast, input casts)."""
+        param_dtype = next(iter(self.precision_plan.groups.values())).param_dtype
+        if self.precision_plan.mode in ("bf16", "fp16"):
+
+            def cast(x):
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    return x.to(param_dtype)
+                return x
+
+            args, kwargs = tree_map(cast, (args, kwargs))
+        with forward_context(self.precision_plan, self.device.type):
+            return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    # --------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, **kwargs: Any) -> torch.Tensor:
+        """`loss.backward()` with the engine's loss scaling; the same as calling it yourself."""
+        before = self._coordinator.backward_count
+        loss.backward(retain_graph=retain_graph, **kwargs)
+        if self._coordinator.backward_count == before:
+            # Nothing in the model took part (no hook fired): still run the epilogue, so this
+            # rank issues the same collectives as ranks whose loss did reach the model.
+            self._coordinator.run_epilogue()
+        return loss
+
+    def _reduce_unit(self, unit: Unit) -> None:
+        divisor = self.world_size * self.config.gradient_accumulation_steps
+        bucket = self.config.zero_optimization.reduce_bucket_size
+        for flat in unit.flats:
+            reduce_local_grad(flat, divisor, bucket)
+        unit.has_local_grad = False
+
+    def _after_unit_backward(self, unit: Unit) -> None:
+        if not self.policy.keep_full_params and unit is not self.units[0]:
+            unit.free()
+
+    def _end_of_backward(self, pending: list[Unit]) -> None:
+        sync = self._coordinator.sync_enabled
+        if self.policy.reduce_every_backward:
+            if sync:
+                for unit in pending:
+                    self._reduce_unit(unit)
+                self._needs_flush = False
+            else:
+                self._needs_flush = True
+        elif sync and self.is_gradient_accumulation_boundary():
+            self._flush()
+        else:
+            self._needs_flush = True
+        if not self.policy.keep_full_params:
+            for unit in self.units:
+                unit.free()
+
+    def _flush(self) -> None:
+        """Reduce every unit's local gradient (a collective: same order on every rank)."""
+        for unit in self._coordinator.reduce_order:
+            self._reduce_unit(unit)
+        self._needs_flush = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward calls inside keep their gradients local (no communication)."""
+        previous = self._coordinator.sync_enabled
+        self._coordinator.sync_enabled = False
+        try:
+            yield
+        finally:
+            self._coordinator.sync_enabled = previous
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = bool(is_boundary)
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> None:
+        """The optimizer step, at the accumulation boundary only."""
+        if self.is_gradient_accumulation_boundary():
+            if self.optimizer is None:
+                raise RuntimeError(
+                    "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
+                )
+            if self._needs_flush:
+                self._flush()
+            self._take_optimizer_step()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def _take_optimizer_step(self) -> None:
+        scale = self.loss_scaler.scale
+        for flat in self.flats:
+            grad = flat.reduced_grad_buffer()
+            if grad.dtype != flat.master.dtype:
+                grad = grad.to(flat.master.dtype)
+            if scale != 1.0:
+                grad.mul_(1.0 / scale)
+            flat.master.grad = grad
+
+        norm = self._global_norm()
+        self._global_grad_norm = norm
+        overflow = self.precision_plan.check_grad_overflow and not math.isfinite(norm)
+        if overflow:
+            self.skipped_steps += 1
+            self._post_clip_grad_norm = norm
+            logger.info("step %d: non-finite gradient, step skipped (scale %s)",
+                        self.global_steps, scale)
+        else:
+            clip = self.config.gradient_clipping
+            coef = clip / (norm + 1e-6) if clip and clip > 0 else 1.0
+            if coef < 1.0:
+                for flat in self.flats:
+                    flat.master.grad.mul_(coef)
+            self._post_clip_grad_norm = norm * min(1.0, coef)
+            self.optimizer.step()
+            with torch.no_grad():
+                for flat in self.flats:
+                    flat.publish_master()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        self._clear_grads()
+        steps_per_print = self.config.steps_per_print
+        if self.global_rank == 0 and steps_per_print and (self.global_steps + 1) % steps_per_print == 0:
+            logger.info(
+                "step %d: lr %s grad_norm %.4g (after clipping %.4g) loss_scale %s",
+                self.global_steps + 1, self.get_lr(), norm, self._post_clip_grad_norm, scale,
+            )
+
+    def _global_norm(self) -> float:
+        """L2 norm of the whole reduced, unscaled gradient, summed shard by shard.
+
+        Every stage sums the same per-shard partial sums in the same order, so the norm
+        (and hence clipping) is bitwise identical across stages.
+        """
+        partials = []
+        for flat in self.flats:
+            grad = flat.master.grad
+            shard = grad if self.policy.shard_optimizer else flat.shard_of(grad)
+            partials.append(shard.float().pow(2).sum())
+        total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
+        total = total.reshape(1).to(torch.float32)
+        comm.all_reduce(total, tag="norm")
+        return float(total.sqrt())
+
+    def _clear_grads(self) -> None:
+        for flat in self.flats:
+            flat.master.grad = None
+            if flat.reduced_grad is not None:
+                if flat.local_grad is None and not self.policy.reduce_every_backward \
+                        and flat.reduced_grad.dtype == flat.role.grad_accum_dtype \
+                        and not self.policy.scatter:
+                    # Stage 0 reduced in place: hand the buffer back as the local one.
+                    flat.local_grad = flat.reduced_grad.zero_()
+                    flat.reduced_grad = None
+                else:
+                    flat.reduced_grad.zero_()
+
+    def zero_grad(self) -> None:
+        """Drop every accumulated gradient (local and reduced)."""
+        for flat in self.flats:
+            flat.master.grad = None
+            if flat.local_grad is not None:
+                flat.release_local_grad()
+            if flat.reduced_grad is not None:
+                flat.reduced_grad.zero_()
+        for unit in self.units:
+            unit.has_local_grad = False
+        self._needs_flush = False
+
+    # -------------------------------------------------------------- accessors
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def get_global_grad_norm(self) -> float | None:
+        """The pre-clip global gradient norm of the last optimizer step."""
+        return self._global_grad_norm
+
+    def get_post_clip_grad_norm(self) -> float | None:
+        return self._post_clip_grad_norm
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        self.module.eval()
+        return self
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def locate(self, param: nn.Parameter) -> tuple[FlatParamGroup, int]:
+        """The flat buffer holding `param` and its index there."""
+        try:
+            return self._param_index[id(param)]
+        except KeyError:
+            raise ValueError(
+                "this parameter is not managed by the engine (frozen, or from another model)"
+            ) from None

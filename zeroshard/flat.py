@@ -1,0 +1,203 @@
+"""Flat parameter buffers and their shards.
+
+[Note: flat buffers]
+Each unit's trainable parameters are packed, per (precision role, optimizer param group)
+class, into one 1-D buffer:
+
+    full         1-D, padded_numel elements, parameter dtype. Module parameters are views
+                 into it. At stage 3 its storage is freed between uses (resized to 0 bytes;
+                 the views stay attached and see the data again once it is re-gathered).
+    shard        this rank's slice of `full`: [rank * shard_numel, (rank+1) * shard_numel).
+                 padded_numel = shard_numel * world_size, so every rank owns an equal slice;
+                 the padding at the end is zeros and stays zero.
+    param_shard  stage 3 only: the persistent copy of this rank's slice in the parameter
+                 dtype, the source of every all-gather.
+    master       what the optimizer steps on: the whole buffer at stage 0, the shard at
+                 stages 1-3. In the dtype `role.master_dtype`; when the plan says the master
+                 weights are the parameters (fp32 and torch_autocast modes) it is a view of
+                 `full` (stages 0-2) or `param_shard` itself (stage 3), never a copy.
+    local_grad   gradients accumulated on this rank and not yet reduced (full size).
+    reduced_grad the reduced (summed over ranks, divided by world_size x grad_accum_steps)
+                 gradient for the master's range, in the accumulation dtype.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from . import comm
+from .precision import RolePlan
+from .stages import StagePolicy
+
+
+class ShardState(Enum):
+    SHARDED = "sharded"  # full buffer has no storage (stage 3 between uses)
+    UNSHARDED = "unsharded"  # full buffer materialised, module params valid
+
+
+class FlatParamGroup:
+    """One flat buffer: a unit's parameters of one precision role and optimizer group."""
+
+    def __init__(
+        self,
+        unit_name: str,
+        names: list[str],
+        params: list[nn.Parameter],
+        role: RolePlan,
+        optimizer_group: int,
+        policy: StagePolicy,
+        device: torch.device,
+    ) -> None:
+        self.unit_name = unit_name
+        self.names = names
+        self.params = params
+        self.role = role
+        self.optimizer_group = optimizer_group
+        self.policy = policy
+        self.device = device
+        self.world_size = comm.world_size()
+        self.rank = comm.rank()
+
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets: list[int] = []
+        offset = 0
+        for n in self.numels:
+            self.offsets.append(offset)
+            offset += n
+        self.numel = offset
+        ws = self.world_size
+        self.shard_numel = max(1, -(-self.numel // ws))  # ceil, at least one element
+        self.padded_numel = self.shard_numel * ws
+        self.shard_start = self.rank * self.shard_numel
+
+        self.full = torch.zeros(self.padded_numel, dtype=role.param_dtype, device=device)
+        with torch.no_grad():
+            for p, off, n in zip(params, self.offsets, self.numels, strict=False):
+                self.full[off : off + n].copy_(p.detach().reshape(-1))
+        # Every rank starts from rank 0's values, as DeepSpeed does.
+        comm.broadcast(self.full, src=0, tag="init")
+        self._attach_views()
+        self.state = ShardState.UNSHARDED
+
+        self.param_shard: torch.Tensor | None = None
+        if not policy.keep_full_params:
+            self.param_shard = self.shard_of(self.full).clone()
+
+        self.master = self._make_master()
+        self.local_grad: torch.Tensor | None = None
+        self.reduced_grad: torch.Tensor | None = None
+        if not policy.keep_full_params:
+            self.free_full()
+
+    # ----------------------------------------------------------------- layout
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full-size flat tensor (a view)."""
+        return flat.narrow(0, self.shard_start, self.shard_numel)
+
+    def param_range_in_shard(self, index: int) -> tuple[int, int, int] | None:
+        """(start in shard, start in param, length) of param `index`'s overlap with the shard."""
+        lo = max(self.offsets[index], self.shard_start)
+        hi = min(self.offsets[index] + self.numels[index], self.shard_start + self.shard_numel)
+        if lo >= hi:
+            return None
+        return lo - self.shard_start, lo - self.offsets[index], hi - lo
+
+    def _attach_views(self) -> None:
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=False):
+            p.data = self.full.narrow(0, off, n).view(shape)
+
+    # ----------------------------------------------------------------- master
+    def _make_master(self) -> torch.Tensor:
+        role = self.role
+        if role.master_is_param:
+            if self.param_shard is not None:
+                return self.param_shard
+            return self.shard_of(self.full) if self.policy.shard_optimizer else self.full
+        source = self.shard_of(self.full) if self.policy.shard_optimizer else self.full
+        return source.detach().to(role.master_dtype, copy=True)
+
+    def master_range(self) -> tuple[int, int]:
+        """(start, length) of the master's elements within the full flat buffer."""
+        if self.policy.shard_optimizer:
+            return self.shard_start, self.shard_numel
+        return 0, self.padded_numel
+
+    # ------------------------------------------------------ full buffer storage
+    def free_full(self) -> None:
+        if self.state is ShardState.SHARDED:
+            return
+        self.full.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+
+    def gather_full(self, tag: str = "param") -> None:
+        """Materialise the full buffer from every rank's `param_shard` (stage 3)."""
+        if self.state is ShardState.UNSHARDED:
+            return
+        assert self.param_shard is not None
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        self._all_gather_into_full(self.param_shard, self.role.gather_dtype, tag)
+        self.state = ShardState.UNSHARDED
+
+    def _all_gather_into_full(self, shard: torch.Tensor, wire_dtype: torch.dtype, tag: str):
+        if wire_dtype == self.full.dtype:
+            # A copy, because the input may alias the output's own shard slice.
+            comm.all_gather(self.full, shard.to(wire_dtype, copy=True), tag=tag)
+        else:
+            wire = torch.empty(self.padded_numel, dtype=wire_dtype, device=self.device)
+            comm.all_gather(wire, shard.to(wire_dtype), tag=tag)
+            self.full.copy_(wire)
+
+    def publish_master(self) -> None:
+        """After an optimizer step: make the module parameters equal the new master values."""
+        role = self.role
+        with torch.no_grad():
+            if not self.policy.shard_optimizer:
+                if not role.master_is_param:
+                    self.full.copy_(self.master)
+                return
+            if self.param_shard is not None:  # stage 3: params stay sharded
+                if self.param_shard is not self.master:
+                    self.param_shard.copy_(self.master)
+                return
+            # Stages 1 and 2: every rank needs the whole updated buffer, in the param dtype.
+            self._all_gather_into_full(self.master, role.param_dtype, tag="param")
+
+    # -------------------------------------------------------------- gradients
+    def local_grad_buffer(self) -> torch.Tensor:
+        """The full-size local gradient buffer, allocated (zeroed) on first use."""
+        if self.local_grad is None:
+            dtype = (
+                self.role.grad_dtype
+                if self.policy.reduce_every_backward
+                else self.role.grad_accum_dtype
+            )
+            self.local_grad = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
+        return self.local_grad
+
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        buf = self.local_grad_buffer()
+        buf.narrow(0, self.offsets[index], self.numels[index]).add_(grad.reshape(-1))
+
+    def reduced_grad_buffer(self) -> torch.Tensor:
+        if self.reduced_grad is None:
+            _, length = self.master_range()
+            self.reduced_grad = torch.zeros(
+                length, dtype=self.role.grad_accum_dtype, device=self.device
+            )
+        return self.reduced_grad
+
+    def release_local_grad(self) -> None:
+        """After a reduction: zero the persistent buffer (stages 0-1) or free it (2-3)."""
+        if self.local_grad is None:
+            return
+        if self.policy.reduce_every_backward:
+            self.local_grad = None
+        else:
+            self.local_grad.zero_()
+
+    def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        return flat.narrow(0, self.offsets[index], self.numels[index]).view(self.shapes[index])

@@ -1,0 +1,76 @@
+"""Bucketed reduction of a flat buffer's local gradient across ranks.
+
+The one reduction every stage uses: divide the local gradient by world_size x k (DESIGN
+section 4's gradient semantics), cast it to the wire dtype one bucket at a time, reduce
+(all-reduce at stage 0, reduce-scatter at stages 1-3), and add the result into the flat's
+reduced gradient in the accumulation dtype. Upcasting for a wider wire dtype happens one
+bucket at a time, so the extra memory is bounded by `reduce_bucket_size`, never by the
+model size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .flat import FlatParamGroup
+
+
+def reduce_local_grad(flat: FlatParamGroup, divisor: int, bucket_numel: int) -> None:
+    """Reduce `flat.local_grad` into `flat.reduced_grad` and release the local buffer.
+
+    Every rank must call this for the same flats in the same order (it is a collective);
+    a rank that has no local gradient for the flat contributes zeros.
+    """
+    local = flat.local_grad_buffer()
+    if flat.policy.scatter:
+        _reduce_scatter(flat, local, divisor, bucket_numel)
+    else:
+        _all_reduce(flat, local, divisor, bucket_numel)
+    flat.release_local_grad()
+
+
+def _all_reduce(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket: int) -> None:
+    acc_dtype = flat.role.grad_accum_dtype
+    wire_dtype = flat.role.reduce_dtype
+    # Reduce in place when the local buffer already holds the accumulation dtype and no
+    # reduced gradient is waiting: the buffer then simply becomes the reduced gradient, so
+    # stage 0 holds one full gradient buffer, not two.
+    in_place = flat.reduced_grad is None and local.dtype == acc_dtype
+    target = local if in_place else torch.empty_like(local, dtype=acc_dtype)
+    bucket = max(1, bucket)
+    for start in range(0, flat.padded_numel, bucket):
+        length = min(bucket, flat.padded_numel - start)
+        chunk = target.narrow(0, start, length)
+        torch.div(local.narrow(0, start, length).to(acc_dtype), divisor, out=chunk)
+        if wire_dtype == acc_dtype:
+            comm.all_reduce(chunk, tag="grad")
+        else:
+            wire = chunk.to(wire_dtype)
+            comm.all_reduce(wire, tag="grad")
+            chunk.copy_(wire)
+    if in_place:
+        flat.reduced_grad = local
+        flat.local_grad = None
+    else:
+        flat.reduced_grad_buffer().add_(target)
+
+
+def _reduce_scatter(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket: int) -> None:
+    acc_dtype = flat.role.grad_accum_dtype
+    wire_dtype = flat.role.reduce_dtype
+    ws, shard_numel = flat.world_size, flat.shard_numel
+    # Column block [c0, c1) of the (world_size, shard_numel) view is one bucket: row r of it
+    # is the part of rank r's shard the bucket covers, so the reduce-scatter's r-th chunk
+    # lands in rank r's shard.
+    by_rank = local.view(ws, shard_numel)
+    reduced = flat.reduced_grad_buffer()
+    cols = max(1, bucket // ws)
+    for c0 in range(0, shard_numel, cols):
+        c1 = min(shard_numel, c0 + cols)
+        block = torch.div(by_rank[:, c0:c1].to(acc_dtype), divisor)  # contiguous (ws, b)
+        if wire_dtype != acc_dtype:
+            block = block.to(wire_dtype)
+        out = torch.empty(c1 - c0, dtype=wire_dtype, device=local.device)
+        comm.reduce_scatter(out, block, tag="grad")
+        reduced.narrow(0, c0, c1 - c0).add_(out)

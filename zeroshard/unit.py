@@ -1,0 +1,52 @@
+"""A unit: a module, its flat buffers, and its readiness within one backward."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .flat import FlatParamGroup, ShardState
+
+
+class Unit:
+    """The parameters gathered, freed and reduced together (DESIGN section 3)."""
+
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParamGroup]) -> None:
+        self.name = name
+        self.module = module
+        self.flats = flats
+        self.expected_hooks = sum(len(f.params) for f in flats)
+        self._fired: set[tuple[int, int]] = set()
+        # Gradients accumulated locally since the unit was last reduced.
+        self.has_local_grad = False
+
+    @property
+    def numel(self) -> int:
+        return sum(f.numel for f in self.flats)
+
+    # ---------------------------------------------------------- readiness
+    def mark_fired(self, index: int, flat: FlatParamGroup) -> None:
+        self._fired.add((id(flat), index))
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter's hook has fired in this backward."""
+        return len(self._fired) >= self.expected_hooks
+
+    def reset_readiness(self) -> None:
+        self._fired.clear()
+
+    # ------------------------------------------------------------ storage
+    @property
+    def gathered(self) -> bool:
+        return all(f.state is ShardState.UNSHARDED for f in self.flats)
+
+    def gather(self) -> None:
+        for flat in self.flats:
+            flat.gather_full()
+
+    def free(self) -> None:
+        for flat in self.flats:
+            flat.free_full()
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, params={self.expected_hooks}, numel={self.numel})"
