@@ -15,9 +15,7 @@ from torch.utils.data import Dataset
 
 # Directories left out: installed third-party packages are not the standard library, test
 # suites are full of deliberately odd strings, and `encodings` is mostly generated charmap tables.
-SKIPPED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
-)
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"})
 DEFAULT_MAX_BYTES = 8_000_000
 DEFAULT_VAL_FRACTION = 0.05
 
@@ -30,11 +28,7 @@ def stdlib_root() -> Path:
 def stdlib_source_files(root: Path | None = None) -> list[Path]:
     """Every `.py` file under `root` (default: the stdlib), sorted by relative path."""
     root = stdlib_root() if root is None else Path(root)
-    files = [
-        path
-        for path in root.rglob("*.py")
-        if not SKIPPED_DIRS.intersection(path.relative_to(root).parts[:-1])
-    ]
+    files = [path for path in root.rglob("*.py") if not SKIPPED_DIRS.intersection(path.relative_to(root).parts[:-1])]
     return sorted(files, key=lambda path: path.relative_to(root).as_posix())
 
 

@@ -75,9 +75,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -232,7 +230,5 @@ def build_gpt(preset: str, **overrides) -> GPT:
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(
-            f"unknown GPTConfig field(s) {', '.join(unknown)}; the fields are {', '.join(sorted(known))}."
-        )
+        raise ValueError(f"unknown GPTConfig field(s) {', '.join(unknown)}; the fields are {', '.join(sorted(known))}.")
     return GPT(dataclasses.replace(PRESETS[preset], **overrides))
