@@ -14,8 +14,11 @@ import torch
 from torch.utils.data import Dataset
 
 # Directories left out: installed third-party packages are not the standard library, test
-# suites are full of deliberately odd strings, and `encodings` is mostly generated charmap tables.
-SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"})
+# suites are full of deliberately odd strings, `encodings` is mostly generated charmap tables and
+# `pydoc_data` is generated English documentation.
+SKIPPED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
+)
 DEFAULT_MAX_BYTES = 8_000_000
 DEFAULT_VAL_FRACTION = 0.05
 

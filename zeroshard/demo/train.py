@@ -106,10 +106,13 @@ def all_ranks_mean(value: torch.Tensor) -> float:
 
 @torch.no_grad()
 def evaluate(engine, val_data: ByteWindows, num_windows: int) -> float:
-    """Mean validation loss over the first `num_windows` windows, shared out across ranks."""
+    """Mean validation loss over `num_windows` windows spread evenly through the validation
+    text (the same ones every time), shared out across ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
     batch_size = engine.train_micro_batch_size_per_gpu()
-    mine = list(range(rank, min(num_windows, len(val_data)), world))
+    num_windows = min(num_windows, len(val_data))
+    picked = [i * len(val_data) // num_windows for i in range(num_windows)]
+    mine = picked[rank::world]
     loss_sum = torch.zeros((), device=engine.device)
     count = torch.zeros((), device=engine.device)
     engine.eval()
