@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import comm
+from . import comm, full_tensors
 from .autocast import forward_context
 from .backward import BackwardCoordinator, wrap_outputs
 from .config import ZeroshardConfig
@@ -165,6 +165,9 @@ class Engine:
         self._param_index = {
             id(p): (flat, i) for unit in units for flat in unit.flats for i, p in enumerate(flat.params)
         }
+        for index_key in list(self._param_index):
+            flat, i = self._param_index[index_key]
+            full_tensors.register(self, flat.params[i])
         return units
 
     def _make_optimizer(self, optimizer, hyper, masters_by_group):
@@ -432,6 +435,31 @@ class Engine:
         for unit in self.units:
             unit.has_local_grad = False
         self._needs_flush = False
+
+    # ------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+        """Write this rank's shards and the shared index under save_dir/tag (atomic)."""
+        from . import checkpoint
+
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self, load_dir, tag=None, load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+    ):
+        """Load a checkpoint saved on any world size and stage; returns (path, client_state)."""
+        from . import checkpoint
+
+        return checkpoint.load_checkpoint(
+            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+        )
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors"):
+        """The consolidated module weights in the parameter dtype, for inference (rank 0 writes)."""
+        from . import checkpoint
+
+        return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     # -------------------------------------------------------------- accessors
     @property

@@ -1,0 +1,90 @@
+"""Full (unsharded) views of a parameter's fp32 weight, gradient and optimizer state.
+
+DeepSpeed's `safe_get_full_*` helpers: every rank gets the whole tensor whatever the
+stage. They are collectives at stages 1-3 (a shard lives on each rank), so every rank must
+call them, in the same order.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from . import comm
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .flat import FlatParamGroup
+
+_ENGINE_ATTR = "_zeroshard_engine"
+
+
+def register(engine: Engine, param: nn.Parameter) -> None:
+    setattr(param, _ENGINE_ATTR, weakref.ref(engine))
+
+
+def _locate(param: nn.Parameter) -> tuple[Engine, FlatParamGroup, int]:
+    ref = getattr(param, _ENGINE_ATTR, None)
+    engine = ref() if ref is not None else None
+    if engine is None:
+        raise ValueError(
+            "this parameter is not managed by a zeroshard engine: pass a parameter of "
+            "engine.module (a frozen parameter has no master, gradient or optimizer state)."
+        )
+    flat, index = engine.locate(param)
+    return engine, flat, index
+
+
+def _full_flat(flat: FlatParamGroup, master_layout: torch.Tensor) -> torch.Tensor:
+    """The full flat buffer of a tensor laid out like the flat's master (full or shard)."""
+    if not flat.policy.shard_optimizer:
+        return master_layout
+    full = torch.empty(flat.padded_numel, dtype=master_layout.dtype, device=master_layout.device)
+    comm.all_gather(full, master_layout.contiguous(), tag="full_tensor")
+    return full
+
+
+def _param_slice(flat: FlatParamGroup, full: torch.Tensor, index: int) -> torch.Tensor:
+    return flat.param_view(full, index).detach().to(torch.float32, copy=True)
+
+
+def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
+    """The parameter's master weight, full size, in fp32."""
+    _, flat, index = _locate(param)
+    return _param_slice(flat, _full_flat(flat, flat.master), index)
+
+
+def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The accumulated, reduced (averaged), unscaled gradient, full size, in fp32.
+
+    Valid between the boundary backward and `engine.step()`; zeros for a parameter that
+    took no part in the backward; None when no reduced gradient exists yet (before the
+    boundary backward, or after the step cleared it).
+    """
+    engine, flat, index = _locate(param)
+    reduced = flat.reduced_grad
+    has_any = torch.tensor([0 if reduced is None else 1], device=flat.device)
+    comm.all_reduce(has_any, op=torch.distributed.ReduceOp.MAX, tag="full_tensor")
+    if int(has_any) == 0:
+        return None
+    if reduced is None:
+        reduced = flat.reduced_grad_buffer()
+    full = _param_slice(flat, _full_flat(flat, reduced), index)
+    scale = engine.loss_scaler.scale
+    return full if scale == 1.0 else full / scale
+
+
+def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
+    """The optimizer state `optim_state_key` (torch's names: exp_avg, exp_avg_sq,
+    momentum_buffer, step) for this parameter, full size; None if the optimizer has none."""
+    engine, flat, index = _locate(param)
+    state = engine.optimizer.state.get(flat.master, {}) if engine.optimizer is not None else {}
+    value = state.get(optim_state_key)
+    if value is None:
+        return None
+    if value.dim() == 0:
+        return value.detach().clone()  # a scalar such as `step`
+    return _param_slice(flat, _full_flat(flat, value), index)
