@@ -8,6 +8,7 @@ PrecisionPlan (precision.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator
@@ -154,10 +155,17 @@ class Engine:
                 classes.setdefault(key, ([], []))
                 classes[key][0].append(name)
                 classes[key][1].append(p)
+            policy = self.policy
+            threshold = self.config.zero_optimization.stage3_param_persistence_threshold
+            if not policy.keep_full_params and sum(p.numel() for p in spec.params) < threshold:
+                # Small units stay resident (stage3_param_persistence_threshold): gathering
+                # them would cost more latency than the memory is worth. Such a unit then
+                # behaves as at stage 2.
+                policy = dataclasses.replace(policy, keep_full_params=True)
             flats = [
                 FlatParamGroup(
                     spec.name, names, params, self.precision_plan.groups[role_name],
-                    opt_group, self.policy, self.device,
+                    opt_group, policy, self.device,
                 )
                 for (role_name, opt_group), (names, params) in classes.items()
             ]

@@ -128,7 +128,7 @@ class FlatParamGroup:
 
     # ------------------------------------------------------ full buffer storage
     def free_full(self) -> None:
-        if self.state is ShardState.SHARDED:
+        if self.state is ShardState.SHARDED or self.policy.keep_full_params:
             return
         self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
