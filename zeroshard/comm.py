@@ -128,17 +128,21 @@ def reduce_scatter(
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group=None, tag: str = ""
-) -> torch.Tensor:
-    """Concatenate every rank's `input` into `output` (world_size x len(input) elements)."""
+    output: torch.Tensor, input: torch.Tensor, group=None, tag: str = "", async_op: bool = False
+):
+    """Concatenate every rank's `input` into `output` (world_size x len(input) elements).
+
+    Returns `output`, or with `async_op` a handle whose `wait()` must be called before
+    `output` is read (None when there was nothing to wait for).
+    """
     ws = world_size(group)
     if ws == 1:
         output.view(-1).copy_(input.view(-1))
-        return output
+        return None if async_op else output
     assert output.numel() == input.numel() * ws, "all_gather sizes disagree"
     _record("all_gather", input, output.numel(), tag)
-    dist.all_gather_single(output.view(-1), input.view(-1), group=group)
-    return output
+    work = dist.all_gather_single(output.view(-1), input.view(-1), group=group, async_op=async_op)
+    return work if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, tag: str = "") -> torch.Tensor:

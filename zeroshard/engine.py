@@ -121,6 +121,10 @@ class Engine:
             early_reduce=self.policy.reduce_every_backward,
         )
         self._hook_handles: list[Any] = []
+        # Stage 3 prefetch: the order in which the last forward used the units.
+        self._order_now: list[Unit] = []
+        self._forward_order: list[Unit] = []
+        self._order_position: dict[int, int] = {}
         self._install_forward_hooks()
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
@@ -222,12 +226,17 @@ class Engine:
         def root_pre(module, args):
             coord.root_pre_forward()
             if sharded:
+                if coord.forward_depth == 1 and not coord.in_backward:
+                    self._order_now = []
                 root_unit.gather()
 
         def root_post(module, args, output):
             coord.root_post_forward()
-            if sharded and not coord.in_backward:
-                root_unit.free()
+            if sharded and not coord.in_backward and coord.forward_depth == 0:
+                if self._order_now:
+                    self._set_forward_order(self._order_now)
+                for unit in self.units:
+                    unit.free()  # including prefetched units the forward did not reach
             if output is None:
                 return None
 
@@ -247,8 +256,15 @@ class Engine:
             self._hook_handles.append(unit.module.register_forward_hook(self._unit_post(unit)))
 
     def _unit_pre(self, unit: Unit):
+        coord = self._coordinator
+
         def pre(module, args):
             unit.gather()
+            if coord.in_backward:
+                self._prefetch(unit, -1)  # a checkpoint's recomputation: backward order
+            else:
+                self._order_now.append(unit)
+                self._prefetch(unit, +1)
 
         return pre
 
@@ -263,11 +279,32 @@ class Engine:
 
             def on_grad(grad):
                 unit.gather()
+                self._prefetch(unit, -1)
                 return grad
 
             return wrap_outputs(output, on_grad)
 
         return post
+
+    def _set_forward_order(self, order: list[Unit]) -> None:
+        self._forward_order = list(order)
+        self._order_position = {id(u): i for i, u in enumerate(order)}
+
+    def _prefetch(self, unit: Unit, direction: int) -> None:
+        """Start gathering the units that follow `unit` in the last forward's order (or
+        precede it, going backwards), up to stage3_prefetch_bucket_size elements."""
+        position = self._order_position.get(id(unit))
+        if position is None:
+            return
+        budget = self.config.zero_optimization.stage3_prefetch_bucket_size
+        j = position + direction
+        while 0 <= j < len(self._forward_order):
+            nxt = self._forward_order[j]
+            if nxt.numel > budget:
+                return
+            budget -= nxt.numel
+            nxt.start_gather()
+            j += direction
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -83,6 +83,7 @@ class FlatParamGroup:
         self._attach_views()
         self.state = ShardState.UNSHARDED
 
+        self._pending_gather: tuple | None = None  # (work handle, wire buffer) in flight
         self.param_shard: torch.Tensor | None = None
         if not policy.keep_full_params:
             self.param_shard = self.shard_of(self.full).clone()
@@ -128,19 +129,51 @@ class FlatParamGroup:
 
     # ------------------------------------------------------ full buffer storage
     def free_full(self) -> None:
-        if self.state is ShardState.SHARDED or self.policy.keep_full_params:
+        if self.policy.keep_full_params:
+            return
+        if self._pending_gather is not None:
+            self.finish_gather()  # never free memory a collective is still writing
+        if self.state is ShardState.SHARDED:
             return
         self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
-    def gather_full(self, tag: str = "param") -> None:
-        """Materialise the full buffer from every rank's `param_shard` (stage 3)."""
-        if self.state is ShardState.UNSHARDED:
+    def start_gather(self, tag: str = "param") -> None:
+        """Begin materialising the full buffer from every rank's `param_shard` (stage 3).
+
+        Asynchronous: `finish_gather` (or `gather_full`) waits for it. Used to prefetch the
+        next unit while the current one computes.
+        """
+        if self.state is ShardState.UNSHARDED or self._pending_gather is not None:
             return
         assert self.param_shard is not None
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        self._all_gather_into_full(self.param_shard, self.role.gather_dtype, tag)
+        wire_dtype = self.role.gather_dtype
+        if wire_dtype == self.full.dtype:
+            wire = None
+            work = comm.all_gather(self.full, self.param_shard.clone(), tag=tag, async_op=True)
+        else:
+            wire = torch.empty(self.padded_numel, dtype=wire_dtype, device=self.device)
+            work = comm.all_gather(wire, self.param_shard.to(wire_dtype), tag=tag, async_op=True)
+        self._pending_gather = (work, wire)
+
+    def finish_gather(self) -> None:
+        if self._pending_gather is None:
+            return
+        work, wire = self._pending_gather
+        self._pending_gather = None
+        if work is not None:
+            work.wait()
+        if wire is not None:
+            self.full.copy_(wire)
         self.state = ShardState.UNSHARDED
+
+    def gather_full(self, tag: str = "param") -> None:
+        """Materialise the full buffer now (waiting for a prefetch already in flight)."""
+        if self.state is ShardState.UNSHARDED:
+            return
+        self.start_gather(tag)
+        self.finish_gather()
 
     def _all_gather_into_full(self, shard: torch.Tensor, wire_dtype: torch.dtype, tag: str):
         if wire_dtype == self.full.dtype:

@@ -44,6 +44,10 @@ class Unit:
         for flat in self.flats:
             flat.gather_full()
 
+    def start_gather(self) -> None:
+        for flat in self.flats:
+            flat.start_gather()
+
     def free(self) -> None:
         for flat in self.flats:
             flat.free_full()
