@@ -18,6 +18,7 @@ collected and raised together in one ``ConfigError`` whose lines read
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import os
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 __all__ = [
     "BF16Config",
     "ConfigError",
+    "DEFAULT_LOWER_PRECISION_SAFE_MODULES",
     "DataTypesConfig",
     "FP16Config",
     "OptimizerConfig",
@@ -837,7 +839,7 @@ def load_config(raw: dict | str | os.PathLike, world_size: int = 1) -> Zeroshard
         problems.extend(_pydantic_problems(exc))
         cfg = None
     if cfg is not None and not problems:
-        cfg._raw = data
+        cfg._raw = copy.deepcopy(data)
         cfg._world_size = world_size
         cfg._no_effect_keys = list(report.no_effect)
         _collect_defaults(cfg, cleaned, "", cfg._defaults_applied)
