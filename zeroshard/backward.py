@@ -68,7 +68,8 @@ class BackwardCoordinator:
             that still need a reduction (in reduce order): those not reduced during the
             backward and those that received gradients after their reduction.
         loss_scale: returns the current loss scale (1.0 when not scaling).
-        early_reduce: whether complete units reduce during the backward (stages 2, 3).
+        reduces_now: whether this backward reduces gradients at all (then complete units
+            are reduced during it, overlapping the rest of the backward).
     """
 
     def __init__(
@@ -78,7 +79,7 @@ class BackwardCoordinator:
         on_unit_done: Callable[[Unit], None],
         end_of_backward: Callable[[list[Unit]], None],
         loss_scale: Callable[[], float],
-        early_reduce: bool,
+        reduces_now: Callable[[], bool],
     ) -> None:
         self.units = units
         self.reduce_order = list(reversed(units[1:])) + units[:1]
@@ -86,7 +87,7 @@ class BackwardCoordinator:
         self._on_unit_done = on_unit_done
         self._end_of_backward = end_of_backward
         self._loss_scale = loss_scale
-        self.early_reduce = early_reduce
+        self._reduces_now = reduces_now
         self.sync_enabled = True  # False inside engine.no_sync()
         self.forward_depth = 0  # > 0 while the root module's forward runs
         self.in_backward = False
@@ -142,7 +143,7 @@ class BackwardCoordinator:
                 # was called piecewise): fall back to queuing from the first hook.
                 self._start_backward()
             unit.mark_fired(index, flat)
-            if self.early_reduce and self.sync_enabled and unit.complete:
+            if unit.complete and self._reduces_now():
                 self._reduce_ready_in_order()
 
         return hook

@@ -103,28 +103,34 @@ def rank(group=None) -> int:
 
 
 def all_reduce(
-    tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, tag: str = ""
-) -> torch.Tensor:
-    """In-place all-reduce of `tensor` (summed unless `op` says otherwise)."""
+    tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, tag: str = "", async_op: bool = False
+):
+    """In-place all-reduce of `tensor` (summed unless `op` says otherwise).
+
+    Returns `tensor`, or with `async_op` a handle to `wait()` on (None if nothing to wait for).
+    """
     if world_size(group) == 1:
-        return tensor
+        return None if async_op else tensor
     _record("all_reduce", tensor, tensor.numel(), tag)
-    dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else tensor
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group=None, tag: str = ""
-) -> torch.Tensor:
-    """Sum `input` (world_size x len(output) elements) over ranks; keep this rank's chunk."""
+    output: torch.Tensor, input: torch.Tensor, group=None, tag: str = "", async_op: bool = False
+):
+    """Sum `input` (world_size x len(output) elements) over ranks; keep this rank's chunk.
+
+    Returns `output`, or with `async_op` a handle to `wait()` on (None if nothing to wait for).
+    """
     ws = world_size(group)
     if ws == 1:
         output.copy_(input.view(-1))
-        return output
+        return None if async_op else output
     assert input.numel() == output.numel() * ws, "reduce_scatter sizes disagree"
     _record("reduce_scatter", input, input.numel(), tag)
-    dist.reduce_scatter_single(output, input.view(-1), group=group)
-    return output
+    work = dist.reduce_scatter_single(output, input.view(-1), group=group, async_op=async_op)
+    return work if async_op else output
 
 
 def all_gather(

@@ -23,7 +23,7 @@ from .autocast import forward_context
 from .backward import BackwardCoordinator, wrap_outputs
 from .config import ZeroshardConfig
 from .flat import FlatParamGroup
-from .grad_reduce import reduce_local_grad
+from .grad_reduce import start_reduce
 from .loss_scale import make_loss_scaler
 from .optim import build_optimizer, repoint_optimizer
 from .precision import PrecisionPlan, assign_param_groups
@@ -99,6 +99,7 @@ class Engine:
         self._global_grad_norm: float | None = None
         self._post_clip_grad_norm: float | None = None
         self._needs_flush = False  # local gradients a backward left unreduced
+        self._pending_reductions: list = []  # started, not yet finished (see grad_reduce)
 
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
         self._cast_module(model)
@@ -118,7 +119,7 @@ class Engine:
             on_unit_done=self._after_unit_backward,
             end_of_backward=self._end_of_backward,
             loss_scale=lambda: self.loss_scaler.scale,
-            early_reduce=self.policy.reduce_every_backward,
+            reduces_now=self._reduces_now,
         )
         self._hook_handles: list[Any] = []
         # Stage 3 prefetch: the order in which the last forward used the units.
@@ -335,37 +336,45 @@ class Engine:
         return loss
 
     def _reduce_unit(self, unit: Unit) -> None:
+        """Start reducing a unit's local gradients; `_finish_reductions` completes them."""
         divisor = self.world_size * self.config.gradient_accumulation_steps
         bucket = self.config.zero_optimization.reduce_bucket_size
         for flat in unit.flats:
-            reduce_local_grad(flat, divisor, bucket)
+            self._pending_reductions.append(start_reduce(flat, divisor, bucket))
         unit.has_local_grad = False
+
+    def _finish_reductions(self) -> None:
+        pending, self._pending_reductions = self._pending_reductions, []
+        for reduction in pending:
+            reduction.finish()
 
     def _after_unit_backward(self, unit: Unit) -> None:
         if not self.policy.keep_full_params and unit is not self.units[0]:
             unit.free()
 
+    def _reduces_now(self) -> bool:
+        """Whether this backward reduces: every synced backward at stages 2-3, the synced
+        boundary backward at stages 0-1."""
+        if not self._coordinator.sync_enabled:
+            return False
+        return self.policy.reduce_every_backward or self.is_gradient_accumulation_boundary()
+
     def _end_of_backward(self, pending: list[Unit]) -> None:
-        sync = self._coordinator.sync_enabled
-        if self.policy.reduce_every_backward:
-            if sync:
-                for unit in pending:
-                    self._reduce_unit(unit)
-                self._needs_flush = False
-            else:
-                self._needs_flush = True
-        elif sync and self.is_gradient_accumulation_boundary():
-            self._flush()
+        if self._reduces_now():
+            for unit in pending:
+                self._reduce_unit(unit)
+            self._finish_reductions()
+            self._needs_flush = False
         else:
             self._needs_flush = True
-        if not self.policy.keep_full_params:
-            for unit in self.units:
-                unit.free()
+        for unit in self.units:
+            unit.free()  # a no-op for units that keep their full parameters
 
     def _flush(self) -> None:
         """Reduce every unit's local gradient (a collective: same order on every rank)."""
         for unit in self._coordinator.reduce_order:
             self._reduce_unit(unit)
+        self._finish_reductions()
         self._needs_flush = False
 
     @contextlib.contextmanager

@@ -6,9 +6,15 @@ section 4's gradient semantics), cast it to the wire dtype one bucket at a time,
 reduced gradient in the accumulation dtype. Upcasting for a wider wire dtype happens one
 bucket at a time, so the extra memory is bounded by `reduce_bucket_size`, never by the
 model size.
+
+A reduction is started (the collectives are issued asynchronously, so they overlap the rest
+of the backward) and finished later (`PendingReduction.finish`); the engine finishes every
+pending reduction before the backward returns.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -16,21 +22,35 @@ from . import comm
 from .flat import FlatParamGroup
 
 
-def reduce_local_grad(flat: FlatParamGroup, divisor: int, bucket_numel: int) -> None:
-    """Reduce `flat.local_grad` into `flat.reduced_grad` and release the local buffer.
+class PendingReduction:
+    """Collectives in flight for one flat buffer, and what to do when they complete."""
+
+    def __init__(self, works: list, on_complete: list[Callable[[], None]], done: Callable[[], None]):
+        self._works = works
+        self._on_complete = on_complete
+        self._done = done
+
+    def finish(self) -> None:
+        for work, complete in zip(self._works, self._on_complete, strict=True):
+            if work is not None:
+                work.wait()
+            complete()
+        self._done()
+
+
+def start_reduce(flat: FlatParamGroup, divisor: int, bucket_numel: int) -> PendingReduction:
+    """Issue the reduction of `flat.local_grad` into `flat.reduced_grad`.
 
     Every rank must call this for the same flats in the same order (it is a collective);
     a rank that has no local gradient for the flat contributes zeros.
     """
     local = flat.local_grad_buffer()
     if flat.policy.scatter:
-        _reduce_scatter(flat, local, divisor, bucket_numel)
-    else:
-        _all_reduce(flat, local, divisor, bucket_numel)
-    flat.release_local_grad()
+        return _reduce_scatter(flat, local, divisor, bucket_numel)
+    return _all_reduce(flat, local, divisor, bucket_numel)
 
 
-def _all_reduce(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket: int) -> None:
+def _all_reduce(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket: int) -> PendingReduction:
     acc_dtype = flat.role.grad_accum_dtype
     wire_dtype = flat.role.reduce_dtype
     # Reduce in place when the local buffer already holds the accumulation dtype and no
@@ -38,25 +58,35 @@ def _all_reduce(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket:
     # stage 0 holds one full gradient buffer, not two.
     in_place = flat.reduced_grad is None and local.dtype == acc_dtype
     target = local if in_place else torch.empty_like(local, dtype=acc_dtype)
+    works, completions = [], []
     bucket = max(1, bucket)
     for start in range(0, flat.padded_numel, bucket):
         length = min(bucket, flat.padded_numel - start)
         chunk = target.narrow(0, start, length)
         torch.div(local.narrow(0, start, length).to(acc_dtype), divisor, out=chunk)
         if wire_dtype == acc_dtype:
-            comm.all_reduce(chunk, tag="grad")
+            works.append(comm.all_reduce(chunk, tag="grad", async_op=True))
+            completions.append(lambda: None)
         else:
             wire = chunk.to(wire_dtype)
-            comm.all_reduce(wire, tag="grad")
-            chunk.copy_(wire)
+            works.append(comm.all_reduce(wire, tag="grad", async_op=True))
+            completions.append(lambda chunk=chunk, wire=wire: chunk.copy_(wire))
     if in_place:
-        flat.reduced_grad = local
+        flat.reduced_grad = local  # filled in by the collectives; read only after finish()
         flat.local_grad = None
+
+        def done() -> None:
+            pass
     else:
-        flat.reduced_grad_buffer().add_(target)
+        flat.release_local_grad()
+
+        def done() -> None:
+            flat.reduced_grad_buffer().add_(target)
+
+    return PendingReduction(works, completions, done)
 
 
-def _reduce_scatter(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket: int) -> None:
+def _reduce_scatter(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket: int) -> PendingReduction:
     acc_dtype = flat.role.grad_accum_dtype
     wire_dtype = flat.role.reduce_dtype
     ws, shard_numel = flat.world_size, flat.shard_numel
@@ -65,12 +95,18 @@ def _reduce_scatter(flat: FlatParamGroup, local: torch.Tensor, divisor: int, buc
     # lands in rank r's shard.
     by_rank = local.view(ws, shard_numel)
     reduced = flat.reduced_grad_buffer()
+    works, completions = [], []
     cols = max(1, bucket // ws)
     for c0 in range(0, shard_numel, cols):
         c1 = min(shard_numel, c0 + cols)
-        block = torch.div(by_rank[:, c0:c1].to(acc_dtype), divisor)  # contiguous (ws, b)
+        block = torch.div(by_rank[:, c0:c1].to(acc_dtype), divisor)  # a contiguous copy
         if wire_dtype != acc_dtype:
             block = block.to(wire_dtype)
         out = torch.empty(c1 - c0, dtype=wire_dtype, device=local.device)
-        comm.reduce_scatter(out, block, tag="grad")
-        reduced.narrow(0, c0, c1 - c0).add_(out)
+        works.append(comm.reduce_scatter(out, block, tag="grad", async_op=True))
+        # `block` must outlive the collective: the closure keeps it alive until finish().
+        completions.append(
+            lambda c0=c0, c1=c1, out=out, block=block: reduced.narrow(0, c0, c1 - c0).add_(out)
+        )
+    flat.release_local_grad()  # every bucket was copied out above
+    return PendingReduction(works, completions, lambda: None)
