@@ -209,13 +209,14 @@ class Engine:
     def _make_dataloader(self, dataset, collate_fn):
         from torch.utils.data import DataLoader, DistributedSampler
 
+        drop_last = self.config.dataloader_drop_last
         sampler = DistributedSampler(
             dataset, num_replicas=self.world_size, rank=self.global_rank,
-            shuffle=True, seed=self.config.seed or 0, drop_last=True,
+            shuffle=True, seed=self.config.seed or 0, drop_last=drop_last,
         )
         return DataLoader(
             dataset, batch_size=self.config.train_micro_batch_size_per_gpu,
-            sampler=sampler, collate_fn=collate_fn, drop_last=True,
+            sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
         )
 
     def _install_forward_hooks(self) -> None:
