@@ -184,13 +184,26 @@ class Engine:
         return units
 
     def _make_optimizer(self, optimizer, hyper, masters_by_group):
-        groups = [dict(h, params=m) for h, m in zip(hyper, masters_by_group, strict=False)]
+        groups = [dict(h, params=m) for h, m in zip(hyper, masters_by_group, strict=True)]
+        state_dtypes = {
+            r.optimizer_state_dtype for r in self.precision_plan.groups.values()
+            if r.optimizer_state_dtype != r.master_dtype
+        }
+        state_dtype = next(iter(state_dtypes)) if state_dtypes else None
+        if optimizer is not None and state_dtype is not None:
+            raise ValueError(
+                "optimizer: a user optimizer keeps its state in the master weights' dtype, but the plan "
+                "asks for another (bf16.bf16_master_weights_and_grads without bf16_optimizer_states). "
+                "Configure the optimizer in the config's 'optimizer' section, or set both bf16 options."
+            )
         if isinstance(optimizer, torch.optim.Optimizer):
             return repoint_optimizer(optimizer, masters_by_group)
         if callable(optimizer):
             return optimizer(groups)
         if self.config.optimizer is not None:
-            return build_optimizer(self.config.optimizer.type, dict(self.config.optimizer.params), groups)
+            return build_optimizer(
+                self.config.optimizer.type, dict(self.config.optimizer.params), groups, state_dtype
+            )
         return None
 
     def _make_scheduler(self, lr_scheduler):

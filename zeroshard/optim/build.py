@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .state_dtype_adamw import StateDtypeAdamW
+
 # DeepSpeed's optimizer names and the keys each accepts (DeepSpeed 0.19 semantics).
 # "Adam" is decoupled-weight-decay Adam unless `adam_w_mode` is false, as in DeepSpeed.
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode",
@@ -33,9 +35,15 @@ def _unknown_key_error(kind: str, key: str, allowed: set[str]) -> ValueError:
 
 
 def build_optimizer(
-    opt_type: str, params: dict[str, Any], groups: list[dict[str, Any]]
+    opt_type: str,
+    params: dict[str, Any],
+    groups: list[dict[str, Any]],
+    state_dtype: torch.dtype | None = None,
 ) -> torch.optim.Optimizer:
     """A torch optimizer of DeepSpeed type `opt_type` over `groups` (dicts with "params").
+
+    `state_dtype`: the optimizer-state dtype the precision plan asks for when it differs
+    from the master weights' dtype (bf16 masters with fp32 state); None when they agree.
 
     Raises:
         ValueError: an unsupported type or parameter, naming the config key.
@@ -63,8 +71,22 @@ def build_optimizer(
         kw.setdefault("weight_decay", 0.0)  # DeepSpeed's FusedAdam default, not torch's 0.01
         if "betas" in kw:
             kw["betas"] = tuple(kw["betas"])
+        if state_dtype is not None:
+            if kw.pop("amsgrad", False):
+                raise ValueError(
+                    "optimizer.params.amsgrad=true: not supported with optimizer state in a dtype "
+                    "other than the master weights' (bf16.bf16_master_weights_and_grads without "
+                    "bf16_optimizer_states). Drop amsgrad, or set bf16.bf16_optimizer_states=true."
+                )
+            return StateDtypeAdamW(groups, decoupled=adam_w, state_dtype=state_dtype, **kw)
         cls = torch.optim.AdamW if adam_w else torch.optim.Adam
         return cls(groups, **kw)
+    if state_dtype is not None:
+        raise ValueError(
+            "optimizer.type=SGD: its momentum is kept in the master weights' dtype, but the plan asks "
+            "for optimizer state in another dtype (bf16.bf16_master_weights_and_grads without "
+            "bf16_optimizer_states). Set bf16.bf16_optimizer_states=true, or use Adam/AdamW."
+        )
     kw.setdefault("lr", 1e-3)
     return torch.optim.SGD(groups, **kw)
 

@@ -1,0 +1,196 @@
+"""Newton-Schulz orthogonalization, the core of Muon: the standard quintic iteration and its
+Gram form, both batched over leading dimensions.
+
+[Note: Newton-Schulz]
+For a matrix G (rows x cols) Muon wants the orthogonal factor U V^T of G = U S V^T. The
+quintic Newton-Schulz iteration approximates it with matrix products only:
+
+    X = G / (||G||_F + 1e-7)             (transposed first when rows > cols, so n <= m)
+    repeat steps times:
+        A = X X^T                        (n x n)
+        B = b A + c A A
+        X = a X + B X                    (n x m)
+    (transposed back)
+
+with (a, b, c) = (3.4445, -4.7750, 2.0315). The coefficients push every singular value into
+roughly [0.7, 1.2] in five steps rather than converging to exactly 1 (Keller Jordan's
+choice, which costs nothing in training quality).
+
+Gram form. Every X_k is a polynomial in R_0 = X_0 X_0^T applied to X_0: X_k = Q_k X_0 with
+Q_k (n x n). So the iteration can run on n x n matrices only,
+
+    Z_k     = b R_k + c R_k R_k
+    Q_{k+1} = (a I + Z_k) Q_k            (Q_0 = I)
+    R_{k+1} = (a I + Z_k) R_k (a I + Z_k)
+
+and X = Q_steps X_0 at the end. It costs 2 n^2 m + ~17 n^3 multiply-adds against the standard
+10 n^2 m + 5 n^3, so it wins when the matrix is far from square (m > 1.5 n) and loses for
+square ones, which use the standard iteration (`gram_is_cheaper`). The two agree exactly in
+exact arithmetic; in floating point they round differently (tests state the tolerance).
+
+In half precision the R and Q products drift from the X they stand for, so the Gram form
+restarts once (after two steps, as in Tri Dao's Gram Newton-Schulz): X = Q X, R = X X^T, Q = I.
+In fp32 and fp64 the drift stays at rounding level and no restart is made.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NORM_EPS = 1e-7
+DEFAULT_NS_STEPS = 5
+NS_METHODS = ("gram", "standard")
+# The Gram form restarts before this step in half precision (see [Note: Newton-Schulz]).
+HALF_PRECISION_RESTARTS = (2,)
+
+_DTYPE_NAMES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp64": torch.float64, "float64": torch.float64,
+}
+NS_DTYPE_NAMES = ("auto", *_DTYPE_NAMES)
+
+
+def resolve_ns_dtype(name: str | torch.dtype, device: torch.device | str, method: str) -> torch.dtype:
+    """The Newton-Schulz compute dtype for `name` on `device`.
+
+    "auto" is fp32 on CPU (CPU half-precision matmuls are slow and gain nothing), and on a
+    GPU bf16 for the standard iteration, fp16 for the Gram form (fp16's extra mantissa bits
+    matter there, and the normalised values never approach its range limit).
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.lower()
+    if key == "auto":
+        if torch.device(device).type == "cpu":
+            return torch.float32
+        return torch.float16 if method == "gram" else torch.bfloat16
+    try:
+        return _DTYPE_NAMES[key]
+    except KeyError:
+        raise ValueError(
+            f"ns_dtype={name!r}: unknown dtype. Use one of {', '.join(NS_DTYPE_NAMES)}."
+        ) from None
+
+
+def standard_cost(n: int, m: int, steps: int) -> int:
+    """Multiply-adds of the standard iteration on an n x m matrix (n <= m)."""
+    return steps * (2 * n * n * m + n**3)
+
+
+def gram_cost(n: int, m: int, steps: int, restarts: tuple[int, ...] = ()) -> int:
+    """Multiply-adds of the Gram form on an n x m matrix (n <= m), counted as `_gram` runs."""
+    restarts = tuple(r for r in restarts if 0 < r < steps)
+    cost = 2 * n * n * m  # R_0 = X X^T and the final Q X
+    q_started = False
+    for i in range(steps):
+        if i in restarts:
+            cost += 2 * n * n * m  # X = Q X; R = X X^T
+            q_started = False
+        cost += n**3  # R R
+        if q_started:
+            cost += n**3  # Z Q
+        q_started = True
+        if i < steps - 1 and (i + 1) not in restarts:
+            cost += 2 * n**3  # Z R, Z (R + Z R)
+    return cost
+
+
+def gram_is_cheaper(rows: int, cols: int, steps: int, restarts: tuple[int, ...] = ()) -> bool:
+    """Whether the Gram form does less arithmetic than the standard iteration."""
+    n, m = min(rows, cols), max(rows, cols)
+    return gram_cost(n, m, steps, restarts) < standard_cost(n, m, steps)
+
+
+def orthogonalize(
+    matrices: torch.Tensor,
+    steps: int = DEFAULT_NS_STEPS,
+    method: str = "gram",
+    dtype: torch.dtype | str = "auto",
+) -> torch.Tensor:
+    """Newton-Schulz orthogonalization of every matrix in `matrices` (..., rows, cols).
+
+    Leading dimensions are a batch: stacked expert weights [E, n, m] are orthogonalized per
+    expert, in one call.
+
+    Args:
+        matrices: at least 2-D; the last two dimensions are the matrix.
+        steps: Newton-Schulz iterations.
+        method: "gram" (the Gram form where it is cheaper, the standard iteration for
+            near-square matrices) or "standard".
+        dtype: compute dtype, or "auto" (see `resolve_ns_dtype`).
+
+    Returns:
+        The orthogonalized matrices, same shape, in the compute dtype.
+    """
+    if matrices.dim() < 2:
+        raise ValueError(
+            f"orthogonalize: expected a matrix or a batch of matrices, got shape {tuple(matrices.shape)}."
+        )
+    if method not in NS_METHODS:
+        raise ValueError(f"ns_method={method!r}: must be one of {', '.join(NS_METHODS)}.")
+    if steps < 1:
+        raise ValueError(f"ns_steps={steps}: must be at least 1.")
+    compute_dtype = resolve_ns_dtype(dtype, matrices.device, method)
+    shape = matrices.shape
+    rows, cols = shape[-2], shape[-1]
+    transposed = rows > cols
+    x = matrices.reshape(-1, rows, cols).to(compute_dtype)
+    if transposed:
+        x = x.mT
+    # Frobenius norm per matrix, in fp32 at least: a half-precision sum of squares of a
+    # large matrix loses the digits that set the scale of everything after it.
+    norm_dtype = torch.promote_types(compute_dtype, torch.float32)
+    norms = torch.linalg.vector_norm(x.to(norm_dtype), dim=(-2, -1), keepdim=True)
+    x = (x / (norms + NORM_EPS).to(compute_dtype)).contiguous()
+    n, m = x.shape[-2], x.shape[-1]
+    restarts = HALF_PRECISION_RESTARTS if compute_dtype in (torch.float16, torch.bfloat16) else ()
+    if method == "gram" and gram_is_cheaper(n, m, steps, restarts):
+        x = _gram(x, steps, restarts)
+    else:
+        x = _standard(x, steps)
+    if transposed:
+        x = x.mT
+    return x.reshape(shape)
+
+
+def _standard(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """The standard iteration on a batch x (B, n, m), n <= m, already normalised."""
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)  # A
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # B = b A + c A A
+        x = torch.baddbmm(x, poly, x, beta=a)  # a X + B X
+    return x
+
+
+def _gram(x: torch.Tensor, steps: int, restarts: tuple[int, ...]) -> torch.Tensor:
+    """The Gram form on a batch x (B, n, m), n < m, already normalised."""
+    a, b, c = NS_COEFFICIENTS
+    r = torch.bmm(x, x.mT)
+    q: torch.Tensor | None = None
+    for i in range(steps):
+        if i in restarts and q is not None:
+            x = torch.bmm(q, x)
+            r = torch.bmm(x, x.mT)
+            q = None
+        z = torch.baddbmm(r, r, r, beta=b, alpha=c)  # Z = b R + c R R
+        if q is None:
+            q = z.clone()
+            q.diagonal(dim1=-2, dim2=-1).add_(a)  # (a I + Z) I
+        else:
+            q = torch.baddbmm(q, z, q, beta=a)  # (a I + Z) Q
+        if i < steps - 1 and (i + 1) not in restarts:
+            rz = torch.baddbmm(r, z, r, beta=a)  # (a I + Z) R
+            r = torch.baddbmm(rz, z, rz, beta=a)  # (a I + Z) R (a I + Z); Z and R commute
+    assert q is not None
+    return torch.bmm(q, x)
+
+
+def update_scale(rows: int, cols: int) -> float:
+    """Muon's shape factor sqrt(max(1, rows / cols)) for an update of a rows x cols matrix."""
+    return math.sqrt(max(1.0, rows / cols))
