@@ -1,0 +1,121 @@
+"""Consolidated, unsharded exports: the fp32 state dict of a checkpoint, and 16-bit weights.
+
+Both give a state dict with the model's own names, in `model.state_dict()` order, tied
+parameters under every name they have (as separate tensors: safetensors refuses shared
+storage), persistent buffers included, so `model.load_state_dict(sd, strict=True)` works
+on a plain, unwrapped model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint_format import CheckpointReader, fsync_file, resolve_checkpoint_dir
+from .checkpoint_save import module_names
+from .checkpoint_sync import agree
+
+
+def consolidate_fp32(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict of a sharded checkpoint (no process group needed).
+
+    Args:
+        ckpt_dir: a save directory (its `latest` tag is used unless `tag` is given) or one
+            checkpoint's tag directory.
+        tag: which checkpoint of `ckpt_dir`.
+
+    Returns:
+        Parameter and buffer name -> tensor: the master weights in fp32 for trained
+        parameters, floating buffers and frozen parameters cast to fp32, others as saved.
+
+    Raises:
+        CheckpointError: no such checkpoint, or a missing or corrupt file (named).
+    """
+    tag_dir = resolve_checkpoint_dir(ckpt_dir, tag)
+    with CheckpointReader(tag_dir) as reader:
+        index = reader.index
+        extras = reader.extras()
+        managed = {name: reader.read_full(name).to(torch.float32) for name in index["params"]}
+    aliases = index.get("aliases", {})
+    out: dict[str, torch.Tensor] = {}
+    for key in index["state_dict_keys"]:
+        if key in managed:
+            value = managed[key]
+        elif key in aliases:
+            value = managed[aliases[key]].clone()
+        else:
+            value = extras[key]
+            if value.is_floating_point():
+                value = value.to(torch.float32)
+        out[key] = value
+    return out
+
+
+def _write_state_dict(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors for a .safetensors name, torch.save otherwise; atomic (temporary file, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if path.suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+    else:
+        torch.save(state, tmp)
+    fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def write_fp32(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: str | None = None) -> Path:
+    """`consolidate_fp32` written to `out_path` (safetensors, or torch.save for other suffixes)."""
+    state = consolidate_fp32(ckpt_dir, tag)
+    out_path = Path(out_path)
+    _write_state_dict(state, out_path, {"format": "pt", "source": str(resolve_checkpoint_dir(ckpt_dir, tag))})
+    return out_path
+
+
+def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.safetensors") -> str:
+    """The module's weights in their parameter dtype, consolidated; rank 0 writes. Collective.
+
+    At stage 3 each unit is gathered in turn (and freed again), so no rank ever holds more
+    than one unit's full parameters beyond what training already holds.
+
+    Returns:
+        The written file's path (on every rank).
+    """
+    rank0 = engine.global_rank == 0
+    managed: dict[str, torch.Tensor] = {}
+    for unit in engine.units:
+        was_gathered = unit.gathered
+        if not was_gathered:
+            unit.gather()
+        try:
+            if rank0:
+                for flat in unit.flats:
+                    for name, p in zip(flat.names, flat.params, strict=True):
+                        managed[name] = p.detach().to("cpu", copy=True)
+        finally:
+            if not was_gathered:
+                unit.free()
+
+    path = Path(save_dir) / save_filename
+    error: BaseException | None = None
+    if rank0:
+        try:
+            aliases, _, _ = module_names(engine)
+            tensors = dict(engine.module.named_parameters(remove_duplicate=False))
+            tensors.update(engine.module.named_buffers(remove_duplicate=False))
+            state = {}
+            for key in engine.module.state_dict(keep_vars=True):
+                if key in managed:
+                    state[key] = managed[key]
+                elif key in aliases:
+                    state[key] = managed[aliases[key]].clone()
+                else:
+                    state[key] = tensors[key].detach().to("cpu", copy=True)
+            _write_state_dict(state, path, {"format": "pt"})
+        except Exception as exc:
+            error = exc
+    agree(error, f"save_16bit_model({path})")
+    return str(path)

@@ -1,0 +1,386 @@
+"""The on-disk checkpoint format: file names, the JSON index, and reading fragments back.
+
+[Note: checkpoint layout]
+A checkpoint is one directory per tag under the save directory:
+
+    save_dir/
+      latest                       the tag of the last complete checkpoint (one line)
+      <tag>/
+        index.json                 written by rank 0 last: everything below, described
+        rank_00000.safetensors     rank 0's fragments, optimizer state and RNG state
+        rank_00001.safetensors     ...one per rank of the saving run
+        module_extras.safetensors  rank 0: module buffers and frozen parameters
+        python_state.pt            rank 0, only when client_state / the scheduler state
+                                   is not plain JSON (torch.save pickle)
+
+Each rank writes, for every flat buffer `flatK` of the engine, the slice of the buffer it
+owns, `[rank * shard_numel, (rank + 1) * shard_numel)` in flat coordinates, as one 1-D
+tensor per kind: `master/flatK` (master weights, master dtype), `state.<key>/flatK` (an
+elementwise optimizer state: exp_avg, exp_avg_sq, momentum_buffer, ...) and
+`scalar.<key>/flatK` (a 0-d optimizer state such as Adam's `step`). At stage 0 every rank
+holds the whole buffer and still writes only its slice, so the I/O is spread evenly.
+
+A parameter is contiguous in its flat buffer and a rank's slice is contiguous, so each
+rank holds at most one piece (a *fragment*) of each parameter. The index maps every
+parameter name to its fragments:
+
+    "params": {"blocks.0.lin.weight": {
+        "shape": [8, 8], "master_dtype": "float32", ...,
+        "fragments": [{"rank": 0, "offset": 0, "numel": 40, "tensor": "flat1", "start": 12},
+                      {"rank": 1, "offset": 40, "numel": 24, "tensor": "flat1", "start": 0}]}}
+
+`offset` and `numel` are in the flattened parameter; `start` is where the fragment begins
+in the rank's `master/flat1` tensor (and in its `state.*/flat1` tensors, which share the
+layout). Padding is never saved: it is zero and stays zero, so a loader on any world size
+rebuilds its own padding. Loading therefore never needs the saving run's flat layout, only
+the parameter names; the flat layouts are recorded in the index for people who read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+FORMAT_NAME = "zeroshard-checkpoint"
+FORMAT_VERSION = 1
+
+INDEX_FILE = "index.json"
+LATEST_FILE = "latest"
+EXTRAS_FILE = "module_extras.safetensors"
+PYTHON_STATE_FILE = "python_state.pt"
+
+MASTER_KIND = "master"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing, corrupt, or not for this model."""
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def state_kind(key: str) -> str:
+    """The tensor-name prefix of an elementwise optimizer state."""
+    return f"state.{key}"
+
+
+def scalar_kind(key: str) -> str:
+    """The tensor-name prefix of a 0-d optimizer state."""
+    return f"scalar.{key}"
+
+
+def tensor_name(kind: str, flat_id: str) -> str:
+    return f"{kind}/{flat_id}"
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the checkpoint index")
+    return dtype
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file inside `path` durable (a no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old content or the new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# ----------------------------------------------------------------------- tag folders
+
+
+def tmp_tag_dir(save_dir: Path, tag: str) -> Path:
+    """Where a save of `tag` is written before it is renamed into place."""
+    return save_dir / f".{tag}.tmp"
+
+
+def old_tag_dir(save_dir: Path, tag: str) -> Path:
+    """Where the previous checkpoint of `tag` waits while a new one of that tag replaces it."""
+    return save_dir / f".{tag}.old"
+
+
+def validate_tag(tag: str) -> str:
+    tag = str(tag)
+    if not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag or "\\" in tag or "\0" in tag:
+        raise ValueError(
+            f"checkpoint tag {tag!r}: must be a plain directory name (no path separators, not "
+            "starting with '.'), e.g. 'global_step100'."
+        )
+    return tag
+
+
+def read_latest(save_dir: Path) -> str | None:
+    """The tag named by `save_dir/latest`, or None when there is no such file."""
+    path = save_dir / LATEST_FILE
+    if not path.is_file():
+        return None
+    tag = path.read_text().strip()
+    if not tag:
+        raise CheckpointError(f"{path}: empty; it should name the last complete checkpoint tag.")
+    return tag
+
+
+def find_tag_dir(save_dir: Path, tag: str) -> Path:
+    """The directory of a complete checkpoint `tag`.
+
+    A save that replaced an existing tag and died between its two renames leaves the
+    previous complete checkpoint at `.<tag>.old`; it is used when `<tag>` itself is gone.
+
+    Raises:
+        CheckpointError: neither exists (names the path looked for).
+    """
+    final = save_dir / tag
+    if (final / INDEX_FILE).is_file():
+        return final
+    old = old_tag_dir(save_dir, tag)
+    if not final.exists() and (old / INDEX_FILE).is_file():
+        return old
+    if final.is_dir():
+        raise CheckpointError(f"{final / INDEX_FILE}: missing; {final} is not a complete checkpoint.")
+    raise CheckpointError(f"{final}: no checkpoint with tag {tag!r} in {save_dir}.")
+
+
+def resolve_checkpoint_dir(ckpt_dir: str | os.PathLike, tag: str | None = None) -> Path:
+    """A tag directory from either a save directory (+ tag, or its `latest`) or a tag directory."""
+    path = Path(ckpt_dir)
+    if tag is None and (path / INDEX_FILE).is_file():
+        return path
+    if tag is None:
+        tag = read_latest(path)
+        if tag is None:
+            raise CheckpointError(
+                f"{path}: neither a checkpoint (no {INDEX_FILE}) nor a save directory with a "
+                f"'{LATEST_FILE}' file; pass the tag explicitly."
+            )
+    return find_tag_dir(path, tag)
+
+
+# ---------------------------------------------------------------------------- index
+
+
+def _check_fragments(name: str, entry: dict[str, Any]) -> None:
+    numel = 1
+    for dim in entry["shape"]:
+        numel *= int(dim)
+    covered = 0
+    for frag in sorted(entry["fragments"], key=lambda f: f["offset"]):
+        if frag["offset"] != covered or frag["numel"] <= 0:
+            raise CheckpointError(
+                f"{INDEX_FILE}: fragments of parameter {name!r} do not tile it (gap or overlap at "
+                f"element {covered}); the index is corrupt."
+            )
+        covered += frag["numel"]
+    if covered != numel:
+        raise CheckpointError(
+            f"{INDEX_FILE}: fragments of parameter {name!r} cover {covered} of {numel} elements; the index is corrupt."
+        )
+
+
+def load_index(tag_dir: Path) -> dict[str, Any]:
+    """Parse and sanity-check `tag_dir/index.json`.
+
+    Raises:
+        CheckpointError: missing, not JSON, another format or version, or fragments that do
+            not tile their parameters.
+    """
+    path = tag_dir / INDEX_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {tag_dir} is not a complete checkpoint.") from None
+    try:
+        index = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path}: corrupt JSON ({error}).") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{path}: not a zeroshard checkpoint index.")
+    if index.get("version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format version {index.get('version')}, this zeroshard reads version {FORMAT_VERSION}."
+        )
+    try:
+        for name, entry in index["params"].items():
+            _check_fragments(name, entry)
+    except (KeyError, TypeError) as error:
+        raise CheckpointError(f"{path}: malformed parameter table ({error!r}).") from None
+    return index
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class CheckpointReader:
+    """Reads parameter ranges of one checkpoint, whatever layout saved them.
+
+    Files are opened lazily; each is checked against the size and sha256 the index
+    recorded the first time it is opened, so a truncated or altered file is an error that
+    names it, never silently wrong numbers.
+    """
+
+    def __init__(self, tag_dir: Path, index: dict[str, Any] | None = None) -> None:
+        self.tag_dir = Path(tag_dir)
+        self.index = index if index is not None else load_index(self.tag_dir)
+        self._open: dict[str, Any] = {}
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- files
+    def verify_file(self, file_name: str) -> Path:
+        """Check a file's presence, size and checksum against the index."""
+        path = self.tag_dir / file_name
+        expected = self.index.get("files", {}).get(file_name)
+        if expected is None:
+            raise CheckpointError(f"{path}: not listed in {INDEX_FILE}; the index is corrupt.")
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (the checkpoint lists it).")
+        size, sha = file_digest(path)
+        if size != expected["size"]:
+            raise CheckpointError(f"{path}: corrupt: {size} bytes, the index recorded {expected['size']} (truncated?).")
+        if sha != expected["sha256"]:
+            raise CheckpointError(f"{path}: corrupt: its sha256 differs from the one in {INDEX_FILE}.")
+        return path
+
+    def _handle(self, file_name: str):
+        handle = self._open.get(file_name)
+        if handle is None:
+            path = self.verify_file(file_name)
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as error:  # safetensors raises its own error types
+                raise CheckpointError(f"{path}: unreadable safetensors file ({error}).") from None
+            self._open[file_name] = handle
+        return handle
+
+    def _get(self, file_name: str, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        handle = self._handle(file_name)
+        try:
+            if start is None:
+                return handle.get_tensor(key)
+            return handle.get_slice(key)[start:stop]
+        except Exception as error:
+            raise CheckpointError(
+                f"{self.tag_dir / file_name}: tensor {key!r} missing or unreadable ({error}); the "
+                "file does not match the index."
+            ) from None
+
+    def rank_file_tensors(self, rank: int, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor of rank `rank`'s file whose name starts with `prefix` (e.g. RNG state)."""
+        file_name = rank_file_name(rank)
+        handle = self._handle(file_name)
+        return {k: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)}
+
+    def rank_file_metadata(self, rank: int) -> dict[str, str]:
+        return dict(self._handle(rank_file_name(rank)).metadata() or {})
+
+    def extras(self) -> dict[str, torch.Tensor]:
+        """Module buffers and frozen parameters (rank 0's extras file)."""
+        handle = self._handle(EXTRAS_FILE)
+        return {k: handle.get_tensor(k) for k in handle.keys()}
+
+    # -- parameters
+    def read_range(self, name: str, kind: str, start: int, length: int) -> torch.Tensor:
+        """Elements [start, start + length) of parameter `name`'s flattened `kind` tensor.
+
+        Assembled from every fragment that overlaps the range, in the saved dtype.
+        """
+        entry = self.index["params"][name]
+        pieces = []
+        stop = start + length
+        for frag in sorted(entry["fragments"], key=lambda f: f["offset"]):
+            lo = max(start, frag["offset"])
+            hi = min(stop, frag["offset"] + frag["numel"])
+            if lo >= hi:
+                continue
+            begin = frag["start"] + lo - frag["offset"]
+            piece = self._get(rank_file_name(frag["rank"]), tensor_name(kind, frag["tensor"]), begin, begin + hi - lo)
+            if piece.numel() != hi - lo:
+                raise CheckpointError(
+                    f"{self.tag_dir / rank_file_name(frag['rank'])}: tensor "
+                    f"{tensor_name(kind, frag['tensor'])!r} is shorter than the index says; corrupt."
+                )
+            pieces.append(piece.reshape(-1))
+        if not pieces:
+            return torch.empty(0, dtype=self.saved_dtype(name, kind))
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def saved_dtype(self, name: str, kind: str) -> torch.dtype:
+        """The dtype parameter `name`'s `kind` tensor was saved in."""
+        entry = self.index["params"][name]
+        if kind == MASTER_KIND:
+            return str_to_dtype(entry["master_dtype"])
+        return str_to_dtype(entry["optimizer_state"][kind.removeprefix("state.")])
+
+    def read_full(self, name: str, kind: str = MASTER_KIND) -> torch.Tensor:
+        """The whole parameter, in its saved shape and dtype."""
+        entry = self.index["params"][name]
+        numel = 1
+        for dim in entry["shape"]:
+            numel *= int(dim)
+        return self.read_range(name, kind, 0, numel).reshape(entry["shape"])
+
+    def read_scalar(self, name: str, key: str) -> torch.Tensor | None:
+        """A 0-d optimizer state of the flat buffer that held `name` (None for an empty param)."""
+        entry = self.index["params"][name]
+        if not entry["fragments"]:
+            return None
+        frag = entry["fragments"][0]
+        return self._get(rank_file_name(frag["rank"]), tensor_name(scalar_kind(key), frag["tensor"]))

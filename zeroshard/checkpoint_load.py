@@ -1,0 +1,368 @@
+"""Loading a checkpoint into an engine of any world size and stage.
+
+Two phases, so that nothing is half-loaded:
+
+1. *Read*: every rank validates the checkpoint against the model (names, shapes, files,
+   checksums) and assembles, in new tensors, everything it will write: the master weights
+   of each of its flat buffers in this engine's layout, gathered parameter by parameter
+   from whichever saved fragments overlap (the saving run's world size, stage and padding
+   do not matter), the optimizer state the same way, buffers, counters, scaler and
+   scheduler state, RNG state. The engine is not touched. The ranks then agree: if any
+   rank failed, every rank raises.
+2. *Write*: copy into the engine, then republish the module parameters from the masters
+   (stages 0-2: the full buffers; stage 3: `param_shard`), cast to the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint_format import (
+    MASTER_KIND,
+    PYTHON_STATE_FILE,
+    CheckpointError,
+    CheckpointReader,
+    find_tag_dir,
+    read_latest,
+    state_kind,
+    validate_tag,
+)
+from .checkpoint_rng import RNG_PREFIX, restore_rng_state
+from .checkpoint_save import module_names
+from .checkpoint_sync import agree, all_gather_object
+
+logger = logging.getLogger("zeroshard")
+
+
+@dataclass
+class LoadOptions:
+    optimizer_states: bool = True
+    lr_scheduler_states: bool = True
+    module_only: bool = False
+
+
+@dataclass
+class _Loaded:
+    """Everything phase 1 read, ready to be written into the engine."""
+
+    tag_dir: Path
+    masters: list[torch.Tensor]
+    # Values copied straight into module tensors: frozen parameters and buffers, by name.
+    module_values: dict[str, torch.Tensor]
+    optimizer_states: list[dict[str, Any]] | None = None
+    param_groups: list[dict[str, Any]] | None = None
+    lr_only: bool = False  # restore just the lrs (scheduler state loaded, optimizer state not)
+    counters: dict[str, int] | None = None
+    loss_scaler: dict[str, Any] | None = None
+    lr_scheduler: dict[str, Any] | None = None
+    data_sampler: dict[str, Any] | None = None
+    rng: tuple[dict[str, torch.Tensor], dict[str, str]] | None = None
+    client_state: Any = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ checks and reads
+
+
+def _model_differences(engine: Any, index: dict[str, Any]) -> list[str]:
+    """Every way the checkpoint's parameters and buffers differ from the model's."""
+    module = engine.module
+    model_params = {name: list(p.shape) for name, p in module.named_parameters(remove_duplicate=False)}
+    aliases, _, buffer_names = module_names(engine)
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    model_buffers = {name: list(buffers[name].shape) for name in buffer_names}
+    saved_params = {name: entry["shape"] for name, entry in index["params"].items()}
+    saved_aliases = index.get("aliases", {})
+    saved_params.update(
+        {alias: saved_params[target] for alias, target in saved_aliases.items() if target in saved_params}
+    )
+    saved_params.update({name: e["shape"] for name, e in index.get("frozen_params", {}).items()})
+    saved_buffers = {name: e["shape"] for name, e in index.get("buffers", {}).items()}
+    problems = []
+    for what, model, saved in (("parameter", model_params, saved_params), ("buffer", model_buffers, saved_buffers)):
+        missing = sorted(set(model) - set(saved))
+        unexpected = sorted(set(saved) - set(model))
+        if missing:
+            problems.append(f"{what}s of the model missing from the checkpoint: {', '.join(missing)}")
+        if unexpected:
+            problems.append(f"{what}s in the checkpoint that the model lacks: {', '.join(unexpected)}")
+        for name in sorted(set(model) & set(saved)):
+            if list(model[name]) != list(saved[name]):
+                problems.append(f"{what} {name}: shape {saved[name]} in the checkpoint, {model[name]} in the model")
+    if saved_aliases != aliases:
+        problems.append(f"tied parameters differ: checkpoint {saved_aliases}, model {aliases}")
+    return problems
+
+
+def _param_source(reader: CheckpointReader, extras: dict[str, torch.Tensor]):
+    """A function (name, kind, start, length) -> 1-D tensor reading the saved parameter."""
+
+    def read(name: str, kind: str, start: int, length: int) -> torch.Tensor:
+        if name in reader.index["params"]:
+            return reader.read_range(name, kind, start, length)
+        if kind != MASTER_KIND:
+            raise CheckpointError(
+                f"parameter {name} was frozen when the checkpoint was saved, so it has no optimizer "
+                "state: load with load_optimizer_states=False."
+            )
+        return extras[name].reshape(-1)[start : start + length]
+
+    return read
+
+
+def _assemble(flat: Any, read, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """The `kind` tensor of `flat` in this engine's master layout, from the saved fragments."""
+    master_start, master_len = flat.master_range()
+    out = torch.zeros(master_len, dtype=dtype)
+    for i, name in enumerate(flat.names):
+        lo = max(flat.offsets[i], master_start)
+        hi = min(flat.offsets[i] + flat.numels[i], master_start + master_len)
+        if lo < hi:
+            out[lo - master_start : hi - master_start].copy_(read(name, kind, lo - flat.offsets[i], hi - lo))
+    return out
+
+
+def _flat_optimizer_state(engine: Any, flat: Any, reader: CheckpointReader, read) -> dict[str, Any]:
+    params = reader.index["params"]
+    entries = [params.get(name) for name in flat.names]
+    if any(e is None for e in entries):
+        missing = [n for n, e in zip(flat.names, entries, strict=True) if e is None]
+        raise CheckpointError(
+            f"parameters {missing} were frozen when the checkpoint was saved, so they have no optimizer "
+            "state: load with load_optimizer_states=False."
+        )
+    elementwise = entries[0]["optimizer_state"]
+    scalars = entries[0]["optimizer_scalars"]
+    for name, entry in zip(flat.names, entries, strict=True):
+        if entry["optimizer_state"] != elementwise or entry["optimizer_scalars"] != scalars:
+            raise CheckpointError(
+                f"parameters {flat.names[0]} and {name} share a flat buffer here but had different "
+                "optimizer state kinds when saved; load with load_optimizer_states=False."
+            )
+    current = engine.optimizer.state.get(flat.master, {})
+    state: dict[str, Any] = {}
+    for key in elementwise:
+        # The dtype the optimizer already keeps this state in, else the saved one.
+        existing = current.get(key)
+        saved = reader.saved_dtype(flat.names[0], state_kind(key))
+        dtype = existing.dtype if isinstance(existing, torch.Tensor) else saved
+        state[key] = _assemble(flat, read, state_kind(key), dtype)
+    if scalars:
+        holder = next((n for n in flat.names if params[n]["fragments"]), None)
+        holder = holder or next(n for n, e in params.items() if e["fragments"])
+        for key, kind in scalars.items():
+            value = reader.read_scalar(holder, key)
+            if kind == "float":
+                state[key] = float(value)
+            elif kind == "int":
+                state[key] = int(value)
+            elif kind == "bool":
+                state[key] = bool(value)
+            else:
+                state[key] = value.clone()
+    return state
+
+
+def _python_state(reader: CheckpointReader) -> dict[str, Any]:
+    path = reader.verify_file(PYTHON_STATE_FILE)
+    try:
+        # Written by save_checkpoint; like any pickle, load only checkpoints you trust.
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:
+        raise CheckpointError(f"{path}: unreadable ({error}).") from None
+
+
+def _entry_value(reader: CheckpointReader, entry: dict[str, Any] | None, key: str, cache: dict) -> Any:
+    if entry is None:
+        return None
+    if "json" in entry:
+        return entry["json"]
+    if "python" not in cache:
+        cache["python"] = _python_state(reader)
+    return cache["python"][key]
+
+
+def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded:
+    """Phase 1: validate and read everything this rank will write. Touches nothing."""
+    reader = CheckpointReader(tag_dir)
+    with reader:
+        index = reader.index
+        problems = _model_differences(engine, index)
+        if problems:
+            raise CheckpointError(f"checkpoint {tag_dir} does not match the model:\n  " + "\n  ".join(problems))
+        extras = reader.extras()
+        read = _param_source(reader, extras)
+        masters = [_assemble(flat, read, MASTER_KIND, flat.master.dtype) for flat in engine.flats]
+        _, frozen_now, buffer_names = module_names(engine)
+        module_values = {name: extras[name] for name in buffer_names}
+        for name in frozen_now:  # frozen now; maybe trainable (sharded) when saved
+            module_values[name] = extras[name] if name in extras else reader.read_full(name)
+        loaded = _Loaded(tag_dir=tag_dir, masters=masters, module_values=module_values)
+        cache: dict[str, Any] = {}
+        loaded.client_state = _entry_value(reader, index.get("client_state"), "client_state", cache) or {}
+        if options.module_only:
+            return loaded
+
+        saved_opt = index.get("optimizer")
+        if engine.optimizer is not None and saved_opt is not None:
+            if len(saved_opt["param_groups"]) != len(engine.optimizer.param_groups):
+                raise CheckpointError(
+                    f"checkpoint {tag_dir}: {len(saved_opt['param_groups'])} optimizer param groups saved, "
+                    f"this engine has {len(engine.optimizer.param_groups)}; load with "
+                    "load_optimizer_states=False and load_lr_scheduler_states=False."
+                )
+            if options.optimizer_states:
+                if saved_opt["class"] != type(engine.optimizer).__name__:
+                    raise CheckpointError(
+                        f"checkpoint {tag_dir}: optimizer state of {saved_opt['class']}, this engine uses "
+                        f"{type(engine.optimizer).__name__}; load with load_optimizer_states=False."
+                    )
+                loaded.optimizer_states = [_flat_optimizer_state(engine, f, reader, read) for f in engine.flats]
+                loaded.param_groups = saved_opt["param_groups"]
+            elif options.lr_scheduler_states:
+                loaded.param_groups, loaded.lr_only = saved_opt["param_groups"], True
+        if options.lr_scheduler_states and engine.lr_scheduler is not None:
+            loaded.lr_scheduler = _entry_value(reader, index.get("lr_scheduler"), "lr_scheduler", cache)
+        loaded.counters = dict(index["counters"])
+        loaded.loss_scaler = index.get("loss_scaler")
+        loaded.data_sampler = index.get("data_sampler")
+        rank = engine.global_rank
+        if rank < index["world_size"]:
+            loaded.rng = (reader.rank_file_tensors(rank, RNG_PREFIX), reader.rank_file_metadata(rank))
+        return loaded
+
+
+# --------------------------------------------------------------------------- writes
+
+
+def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], lr_only: bool) -> None:
+    for group, entry in zip(optimizer.param_groups, saved, strict=True):
+        for key, value in entry["hyper"].items():
+            if lr_only and key not in ("lr", "initial_lr"):
+                continue
+            if key in entry["tuple_keys"]:
+                value = tuple(value)
+            current = group.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            else:
+                group[key] = value
+
+
+def _load_small_states(engine: Any, loaded: _Loaded) -> None:
+    """Scaler and scheduler: the loads that can raise; undone together if one does."""
+    scaler, scheduler = engine.loss_scaler, engine.lr_scheduler
+    scaler_before = scaler.state_dict()
+    scheduler_before = scheduler.state_dict() if loaded.lr_scheduler is not None else None
+    try:
+        if loaded.loss_scaler is not None:
+            if loaded.loss_scaler.get("kind") == scaler_before.get("kind"):
+                scaler.load_state_dict(loaded.loss_scaler)
+            else:
+                logger.warning(
+                    "load_checkpoint: loss scaling was %r when saved and is %r now (precision mode "
+                    "changed); keeping this run's fresh scaler.",
+                    loaded.loss_scaler.get("kind"),
+                    scaler_before.get("kind"),
+                )
+        if loaded.lr_scheduler is not None:
+            scheduler.load_state_dict(loaded.lr_scheduler)
+    except Exception as error:
+        scaler.load_state_dict(scaler_before)
+        if scheduler_before is not None:
+            scheduler.load_state_dict(scheduler_before)
+        raise CheckpointError(
+            f"checkpoint {loaded.tag_dir}: loss scaler / scheduler state rejected: {error}"
+        ) from error
+
+
+def _write_into_engine(engine: Any, loaded: _Loaded) -> None:
+    module = engine.module
+    with torch.no_grad():
+        for flat, master in zip(engine.flats, loaded.masters, strict=True):
+            flat.master.copy_(master.to(flat.master.device))
+        if loaded.optimizer_states is not None:
+            for flat, state in zip(engine.flats, loaded.optimizer_states, strict=True):
+                engine.optimizer.state[flat.master] = {
+                    k: v.to(flat.master.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                    for k, v in state.items()
+                }
+        if loaded.param_groups is not None:
+            _restore_param_groups(engine.optimizer, loaded.param_groups, loaded.lr_only)
+        for flat in engine.flats:
+            flat.publish_master()  # collective at stages 1-2; same order on every rank
+            if flat.param_shard is not None:
+                flat.free_full()  # stage 3: a gathered copy would be stale; the next use re-gathers
+        tensors = dict(module.named_parameters(remove_duplicate=False))
+        tensors.update(module.named_buffers(remove_duplicate=False))
+        for name, value in loaded.module_values.items():
+            tensors[name].copy_(value.to(tensors[name].device))
+
+
+def apply_to_engine(engine: Any, loaded: _Loaded, options: LoadOptions) -> None:
+    """Phase 2: write what phase 1 read into the engine and republish the parameters."""
+    if not options.module_only:
+        _load_small_states(engine, loaded)
+    _write_into_engine(engine, loaded)
+    if options.module_only:
+        return
+    counters = loaded.counters or {}
+    engine.global_steps = int(counters.get("global_steps", engine.global_steps))
+    engine.micro_steps = int(counters.get("micro_steps", engine.micro_steps))
+    engine.skipped_steps = int(counters.get("skipped_steps", engine.skipped_steps))
+    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+    if loaded.data_sampler is not None and "epoch" in loaded.data_sampler and hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(loaded.data_sampler["epoch"])
+    if loaded.rng is not None:
+        restore_rng_state(*loaded.rng)
+    engine.zero_grad()  # gradients accumulated before the load belong to other weights
+
+
+# ---------------------------------------------------------------------------- entry
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | os.PathLike,
+    tag: str | None = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str | None, Any]:
+    """Load a checkpoint saved on any world size and stage; collective.
+
+    Returns:
+        (checkpoint directory, client_state), or (None, None) when `tag` is None and
+        `load_dir` has no `latest` file (nothing saved yet), as DeepSpeed does.
+    """
+    load_dir = Path(load_dir)
+    options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    loaded: _Loaded | None = None
+    error: BaseException | None = None
+    try:
+        if tag is None:
+            tag = read_latest(load_dir)
+        if tag is not None:
+            loaded = read_for_engine(engine, find_tag_dir(load_dir, validate_tag(tag)), options)
+    except Exception as exc:
+        error = exc
+    outcomes = all_gather_object("error" if error is not None else ("none" if loaded is None else "ok"))
+    if error is None and "error" not in outcomes and len(set(outcomes)) > 1:
+        error = CheckpointError(
+            f"load_checkpoint({load_dir}): some ranks found a checkpoint and some did not ({outcomes}); "
+            "is the directory on a file system every rank sees?"
+        )
+    agree(error, f"load_checkpoint({load_dir}, tag={tag!r})")
+    if loaded is None:
+        logger.warning("load_checkpoint: no '%s/latest' file, nothing loaded.", load_dir)
+        return None, None
+    apply_to_engine(engine, loaded, options)
+    if engine.global_rank == 0:
+        logger.info("loaded checkpoint %s at step %d", loaded.tag_dir, engine.global_steps)
+    return str(loaded.tag_dir), loaded.client_state
+

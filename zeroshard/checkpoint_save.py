@@ -1,0 +1,414 @@
+"""Writing a checkpoint: every rank its own shards, rank 0 the index, then one atomic rename.
+
+The sequence (see [Note: checkpoint layout] in checkpoint_format.py for what is written):
+
+1. rank 0 makes `save_dir/.<tag>.tmp` (removing a leftover of a save that died);
+2. every rank writes `rank_<r>.safetensors` there and fsyncs it;
+3. rank 0 gathers what each rank wrote (fragments, sizes, checksums), writes the module
+   extras, the index (last, so its presence means "every rank finished"), and renames the
+   temporary directory to `save_dir/<tag>`; then it rewrites `latest`.
+
+A process killed before step 3's rename leaves only a `.tmp` directory that nothing reads:
+`latest` still names the previous complete tag.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint_format import (
+    EXTRAS_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    LATEST_FILE,
+    MASTER_KIND,
+    PYTHON_STATE_FILE,
+    CheckpointError,
+    dtype_to_str,
+    file_digest,
+    fsync_dir,
+    fsync_file,
+    old_tag_dir,
+    rank_file_name,
+    scalar_kind,
+    state_kind,
+    tensor_name,
+    tmp_tag_dir,
+    validate_tag,
+    write_text_atomic,
+)
+from .checkpoint_rng import capture_rng_state
+from .checkpoint_sync import agree, all_gather_object, describe
+
+logger = logging.getLogger("zeroshard")
+
+# Test hook: "<point>@<rank>" makes that rank exit abruptly at that point of a save, as a
+# killed process would. Points: "rank_file" (after writing its own file), "before_rename"
+# (rank 0, after the index, before publishing the directory).
+CRASH_ENV = "ZEROSHARD_CHECKPOINT_CRASH_AT"
+CRASH_EXIT_CODE = 17
+
+
+def _crash_point(point: str, rank: int) -> None:
+    if os.environ.get(CRASH_ENV) == f"{point}@{rank}":
+        os._exit(CRASH_EXIT_CODE)
+
+
+def flat_id(index: int) -> str:
+    return f"flat{index}"
+
+
+# ----------------------------------------------------------------------- JSON helpers
+
+
+def json_roundtrips(value: Any) -> bool:
+    """Whether `value` comes back from JSON equal and of the same types (tuples do not)."""
+    try:
+        return json.loads(json.dumps(value)) == value and _same_types(json.loads(json.dumps(value)), value)
+    except (TypeError, ValueError):
+        return False
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return all(_same_types(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return all(_same_types(x, y) for x, y in zip(a, b, strict=True))
+    return True
+
+
+def param_groups_state(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyper-parameters (lr, betas, ...) as JSON, noting tuple values."""
+    groups = []
+    for group in optimizer.param_groups:
+        hyper: dict[str, Any] = {}
+        tuple_keys = []
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, tuple):
+                tuple_keys.append(key)
+                value = list(value)
+            if json_roundtrips(value):
+                hyper[key] = value
+        groups.append({"hyper": hyper, "tuple_keys": tuple_keys})
+    return groups
+
+
+def _sampler_state(engine: Any) -> dict[str, Any] | None:
+    loader = getattr(engine, "training_dataloader", None)
+    sampler = getattr(loader, "sampler", None)
+    if sampler is None:
+        return None
+    state: dict[str, Any] = {"class": type(sampler).__name__, "micro_steps": engine.micro_steps}
+    for attr in ("epoch", "seed", "num_replicas", "shuffle", "drop_last"):
+        value = getattr(sampler, attr, None)
+        if isinstance(value, (bool, int, float)):
+            state[attr] = value
+    try:
+        state["batches_per_epoch"] = len(loader)
+    except TypeError:
+        pass
+    return state
+
+
+# -------------------------------------------------------------------- the rank's file
+
+
+def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
+    """Write this rank's owned slice of every flat buffer; return what the index needs."""
+    tensors: dict[str, torch.Tensor] = {}
+    opt_state = engine.optimizer.state if engine.optimizer is not None else {}
+    flats_info = []
+    for k, flat in enumerate(engine.flats):
+        fid = flat_id(k)
+        owned_start, owned_len = flat.shard_start, flat.shard_numel
+        master_start, _ = flat.master_range()
+        position = owned_start - master_start  # 0 at stages 1-3; the shard's start at stage 0
+
+        def owned(tensor: torch.Tensor, position: int = position, owned_len: int = owned_len) -> torch.Tensor:
+            return tensor.detach().reshape(-1).narrow(0, position, owned_len).contiguous().cpu()
+
+        tensors[tensor_name(MASTER_KIND, fid)] = owned(flat.master)
+        elementwise: dict[str, str] = {}
+        scalars: dict[str, str] = {}
+        for key, value in opt_state.get(flat.master, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == flat.master.numel():
+                tensors[tensor_name(state_kind(key), fid)] = owned(value)
+                elementwise[key] = dtype_to_str(value.dtype)
+            elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                tensors[tensor_name(scalar_kind(key), fid)] = value.detach().reshape(()).cpu().clone()
+                scalars[key] = "tensor"
+            elif isinstance(value, (bool, int, float)):
+                dtype = torch.float64 if isinstance(value, float) else torch.int64
+                tensors[tensor_name(scalar_kind(key), fid)] = torch.tensor(value, dtype=dtype)
+                scalars[key] = type(value).__name__
+            else:
+                raise ValueError(
+                    f"save_checkpoint: optimizer state {key!r} of {type(engine.optimizer).__name__} is "
+                    f"neither elementwise (shaped like the master weights) nor a scalar "
+                    f"({type(value).__name__}); zeroshard cannot shard it."
+                )
+        fragments = {}
+        for i, name in enumerate(flat.names):
+            lo = max(flat.offsets[i], owned_start)
+            hi = min(flat.offsets[i] + flat.numels[i], owned_start + owned_len)
+            if lo < hi:
+                fragments[name] = {
+                    "rank": rank,
+                    "offset": lo - flat.offsets[i],
+                    "numel": hi - lo,
+                    "tensor": fid,
+                    "start": lo - owned_start,
+                }
+        flats_info.append(
+            {"id": fid, "fragments": fragments, "optimizer_state": elementwise, "optimizer_scalars": scalars}
+        )
+
+    rng_tensors, rng_metadata = capture_rng_state()
+    tensors.update(rng_tensors)
+    metadata = {"rank": str(rank), "world_size": str(engine.world_size), **rng_metadata}
+    path = tmp / rank_file_name(rank)
+    save_file(tensors, str(path), metadata=metadata)
+    fsync_file(path)
+    size, sha = file_digest(path)
+    return {"rank": rank, "file": path.name, "size": size, "sha256": sha, "flats": flats_info}
+
+
+# ------------------------------------------------------------------------- rank 0 only
+
+
+def module_names(engine: Any) -> tuple[dict[str, str], list[str], list[str]]:
+    """(aliases: tied name -> managed name, frozen parameter names, persistent buffer names).
+
+    Names are the module's own, in `state_dict` order.
+    """
+    module = engine.module
+    managed = {id(p): name for flat in engine.flats for name, p in zip(flat.names, flat.params, strict=True)}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    aliases, frozen, buffer_names = {}, [], []
+    for key in module.state_dict(keep_vars=True):
+        if key in params:
+            owner = managed.get(id(params[key]))
+            if owner is None:
+                frozen.append(key)
+            elif owner != key:
+                aliases[key] = owner
+        elif key in buffers:
+            buffer_names.append(key)
+    return aliases, frozen, buffer_names
+
+
+def _write_extras(engine: Any, tmp: Path, frozen: list[str], buffer_names: list[str]) -> dict[str, Any]:
+    """Frozen parameters and persistent buffers, as the module holds them."""
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    buffers = dict(engine.module.named_buffers(remove_duplicate=False))
+    tensors = {name: params[name].detach().to("cpu", copy=True) for name in frozen}
+    tensors.update({name: buffers[name].detach().to("cpu", copy=True) for name in buffer_names})
+    path = tmp / EXTRAS_FILE
+    save_file(tensors, str(path))
+    fsync_file(path)
+
+    def describe_tensors(names: list[str]) -> dict[str, Any]:
+        return {n: {"shape": list(tensors[n].shape), "dtype": dtype_to_str(tensors[n].dtype)} for n in names}
+
+    return {"frozen_params": describe_tensors(frozen), "buffers": describe_tensors(buffer_names)}
+
+
+def _params_table(engine: Any, manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for k, flat in enumerate(engine.flats):
+        info = manifests[0]["flats"][k]
+        for i, name in enumerate(flat.names):
+            params[name] = {
+                "shape": list(flat.shapes[i]),
+                "param_dtype": dtype_to_str(flat.role.param_dtype),
+                "master_dtype": dtype_to_str(flat.master.dtype),
+                "unit": flat.unit_name,
+                "role": flat.role.name,
+                "optimizer_group": flat.optimizer_group,
+                "optimizer_state": info["optimizer_state"],
+                "optimizer_scalars": info["optimizer_scalars"],
+                "fragments": [],
+            }
+    for manifest in manifests:
+        for info in manifest["flats"]:
+            for name, fragment in info["fragments"].items():
+                params[name]["fragments"].append(fragment)
+    return params
+
+
+def _flats_table(engine: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": flat_id(k),
+            "unit": flat.unit_name,
+            "role": flat.role.name,
+            "optimizer_group": flat.optimizer_group,
+            "names": list(flat.names),
+            "numel": flat.numel,
+            "padded_numel": flat.padded_numel,
+            "shard_numel": flat.shard_numel,
+        }
+        for k, flat in enumerate(engine.flats)
+    ]
+
+
+def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[str, Any]], client_state: Any) -> None:
+    aliases, frozen, buffer_names = module_names(engine)
+    extras = _write_extras(engine, tmp, frozen, buffer_names)
+    files = {m["file"]: {"size": m["size"], "sha256": m["sha256"]} for m in manifests}
+
+    # Plain JSON where possible (readable, no pickle); torch.save for the rest.
+    python_state: dict[str, Any] = {}
+    scheduler = engine.lr_scheduler
+    scheduler_state = scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None
+    scheduler_entry: dict[str, Any] | None = None
+    if scheduler_state is not None:
+        if json_roundtrips(scheduler_state):
+            scheduler_entry = {"json": scheduler_state}
+        else:
+            python_state["lr_scheduler"] = scheduler_state
+            scheduler_entry = {"file": PYTHON_STATE_FILE}
+    client_state = {} if client_state is None else client_state
+    if json_roundtrips(client_state):
+        client_entry: dict[str, Any] = {"json": client_state}
+    else:
+        python_state["client_state"] = client_state
+        client_entry = {"file": PYTHON_STATE_FILE}
+    if python_state:
+        path = tmp / PYTHON_STATE_FILE
+        torch.save(python_state, path)
+        fsync_file(path)
+    for name in (EXTRAS_FILE, PYTHON_STATE_FILE) if python_state else (EXTRAS_FILE,):
+        size, sha = file_digest(tmp / name)
+        files[name] = {"size": size, "sha256": sha}
+
+    optimizer = engine.optimizer
+    index = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "tag": tag,
+        "world_size": engine.world_size,
+        "stage": engine.policy.stage,
+        "precision_mode": engine.precision_plan.mode,
+        "torch_version": torch.__version__,
+        "files": files,
+        "params": _params_table(engine, manifests),
+        "aliases": aliases,
+        **extras,
+        "state_dict_keys": list(engine.module.state_dict(keep_vars=True).keys()),
+        "flats": _flats_table(engine),
+        "counters": {
+            "global_steps": engine.global_steps,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+        },
+        "optimizer": None
+        if optimizer is None
+        else {"class": type(optimizer).__name__, "param_groups": param_groups_state(optimizer)},
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": scheduler_entry,
+        "data_sampler": _sampler_state(engine),
+        "client_state": client_entry,
+        "config": engine.config.raw,
+        "precision_plan": engine.precision_plan.as_dict(),
+    }
+    path = tmp / INDEX_FILE
+    path.write_text(json.dumps(index, indent=1, default=str) + "\n")
+    fsync_file(path)
+    fsync_dir(tmp)
+
+
+def _publish(save_dir: Path, tag: str, tmp: Path, save_latest: bool) -> None:
+    """Move the finished temporary directory to `save_dir/tag` and point `latest` at it."""
+    final = save_dir / tag
+    old = old_tag_dir(save_dir, tag)
+    if final.exists():
+        # Replacing a tag: the old copy stays loadable (as .<tag>.old) until the new one is in place.
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(save_dir)
+    if save_latest:
+        write_text_atomic(save_dir / LATEST_FILE, tag + "\n")
+    if old.exists():
+        shutil.rmtree(old)
+
+
+# ------------------------------------------------------------------------------ entry
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    client_state: Any = None,
+    save_latest: bool = True,
+) -> str:
+    """Save `engine`'s training state under `save_dir/tag`; collective (every rank calls it).
+
+    Returns:
+        The checkpoint's directory.
+    """
+    save_dir = Path(save_dir)
+    tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    rank = engine.global_rank
+    tags = all_gather_object(tag)
+    if len(set(tags)) != 1:
+        raise ValueError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag on every rank.")
+    tmp = tmp_tag_dir(save_dir, tag)
+
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a save of this tag that died part-way
+            tmp.mkdir()
+        except OSError as exc:
+            error = exc
+    agree(error, f"save_checkpoint({save_dir}, tag={tag!r}): creating {tmp}")
+
+    manifest, error = None, None
+    try:
+        manifest = _write_rank_file(engine, tmp, rank)
+    except Exception as exc:
+        error = exc
+    _crash_point("rank_file", rank)
+    gathered = all_gather_object(manifest if error is None else describe(error))
+    if error is not None:
+        raise error
+    failed = {r: m for r, m in enumerate(gathered) if isinstance(m, str)}
+    if failed:
+        raise CheckpointError(f"save_checkpoint: writing the shards failed on rank(s) {sorted(failed)}: {failed}")
+
+    error = None
+    if rank == 0:
+        try:
+            _write_rank0_files(engine, tag, tmp, gathered, client_state)
+            _crash_point("before_rename", rank)
+            _publish(save_dir, tag, tmp, save_latest)
+        except Exception as exc:
+            error = exc
+    agree(error, f"save_checkpoint({save_dir}, tag={tag!r}): writing the index")
+    if rank == 0:
+        logger.info(
+            "saved checkpoint %s (world size %d, stage %d)", save_dir / tag, engine.world_size, engine.policy.stage
+        )
+    return str(save_dir / tag)
