@@ -10,6 +10,8 @@ and it resumes from the last checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import time
@@ -141,9 +143,17 @@ def generate_sample(engine, num_bytes: int, seed: int) -> str:
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
-def precision_plan_text(plan) -> str:
-    """The precision plan as text, for precision_plan.txt."""
-    return str(plan)
+def precision_plan_text(config_path: Path, world_size: int, model: str, plan) -> str:
+    """What `zeroshard explain CONFIG --model MODEL --world-size W` prints: the precision plan
+    per parameter group and the memory estimate. Falls back to the engine's plan as text."""
+    from zeroshard.cli import main as zeroshard_cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exit_code = zeroshard_cli(["explain", str(config_path), "--model", model, "--world-size", str(world_size)])
+    if exit_code != 0:
+        return f"engine.precision_plan = {plan}"
+    return f"$ zeroshard explain {config_path} --model {model} --world-size {world_size}\n\n{out.getvalue()}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     check_run_dir(run_dir, args.model)
     ckpt_dir = run_dir / "checkpoints"
+    config_path = Path(args.config) if args.config else run_dir / "ds_config.json"
     metrics_path = run_dir / "metrics.jsonl"
 
     # Same seed on every rank: every rank builds the same initial weights.
@@ -198,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run.json").write_text(json.dumps({"model": args.model}) + "\n")
+        if not args.config:  # the embedded config, written out so `zeroshard explain` can read it
+            (run_dir / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
         # Keep exactly the records up to the step training starts from: on a fresh start the
         # file begins empty; on resume, records past the checkpoint (a run that crashed) go.
         kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step] if resumed else []
@@ -268,13 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     if engine.global_steps > start_step:
         save_checkpoint()
     else:
-        progress.print(f"already at step {engine.global_steps}: pass --steps N > {engine.global_steps} to train on")
+        progress.print(f"already at step {start_step}: pass a larger --steps to train on")
 
     sample = generate_sample(engine, args.sample_tokens, args.seed)
     if rank == 0:
         records = read_metrics(metrics_path)
         write_loss_plot(records, run_dir / "loss.png", title=f"zeroshard demo: {args.model}")
-        (run_dir / "precision_plan.txt").write_text(precision_plan_text(engine.precision_plan) + "\n")
+        plan_text = precision_plan_text(config_path, world_size, args.model, engine.precision_plan)
+        (run_dir / "precision_plan.txt").write_text(plan_text)
         (run_dir / "sample.txt").write_text(sample + "\n")
         if records:
             first, last = records[0], records[-1]
@@ -284,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         progress.print("[bold]sample:[/]")
         progress.print(sample, markup=False, highlight=False)
-        progress.print(f"\nrun dir: {run_dir}: metrics.jsonl, loss.png, precision_plan.txt, sample.txt, checkpoints/")
+        progress.print(f"\nrun dir {run_dir}: metrics.jsonl, loss.png, precision_plan.txt, sample.txt, checkpoints/")
     dist.destroy_process_group()
     return 0
 
