@@ -49,6 +49,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -133,18 +134,19 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this worker if pytest dies (even by SIGKILL) so none outlives it."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
+def _exit_when_orphaned(lifeline: Connection) -> None:
+    """Exit as soon as the pool's owner is gone, even mid-task (it may be killed by SIGKILL).
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass  # the pipe closing (EOF) still ends an idle worker
+    Only the owning process holds the lifeline's write end and it never writes, so a read
+    returns only when that process closes it or dies. A worker forked by the forkserver is
+    not the owner's child, and holds the forkserver's own liveness pipe open, so neither a
+    parent-death signal nor the forkserver's exit would end a worker stuck in a task.
+    """
+    try:
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os._exit(70)
 
 
 def _reset_between_tasks(env: dict[str, str]) -> None:
@@ -189,6 +191,7 @@ def _worker_main(
     rank: int,
     world_size: int,
     conn: Connection,
+    lifeline: Connection,
     workdir: str,
     master_port: int,
 ) -> None:
@@ -198,7 +201,7 @@ def _worker_main(
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    _die_with_parent()
+    threading.Thread(target=_exit_when_orphaned, args=(lifeline,), name="distpool-lifeline", daemon=True).start()
     import faulthandler
 
     _stack_file = open(os.path.join(workdir, f"rank{rank}.stack"), "w")  # noqa: SIM115
@@ -298,6 +301,7 @@ class DistPool:
         self.spawn_count = 0  # how many times workers were started; tests watch respawns
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._lifeline: Connection | None = None  # write end; workers exit when it closes
         self._workdir: str | None = None
         self._log_offsets: list[int] = []
         _LIVE_POOLS.add(self)
@@ -324,13 +328,14 @@ class DistPool:
             ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._workdir = tempfile.mkdtemp(prefix=f"zeroshard-distpool-w{self.world_size}-")
         port = _free_port()
+        lifeline_read, self._lifeline = ctx.Pipe(duplex=False)
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             # Not daemonic, so tasks may start processes of their own (DataLoader workers);
-            # _die_with_parent, the pipe's EOF and an atexit hook keep them from outliving pytest.
+            # the lifeline and an atexit hook keep them from outliving pytest.
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, child_end, self._workdir, port),
+                args=(rank, self.world_size, child_end, lifeline_read, self._workdir, port),
                 name=f"distpool-w{self.world_size}-rank{rank}",
                 daemon=False,
             )
@@ -338,6 +343,7 @@ class DistPool:
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
+        lifeline_read.close()
         self._log_offsets = [0] * self.world_size
         self.spawn_count += 1
         replies, errors, pending = self._collect(self.startup_timeout)
@@ -536,6 +542,9 @@ class DistPool:
                 proc.join(5)
         for conn in conns:
             conn.close()
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
