@@ -235,6 +235,43 @@ def overflow_step(stage: int) -> dict:
     return {"snapshots": snapshots, "skipped": engine.skipped_steps}
 
 
+def _full_state(engine) -> dict[str, torch.Tensor]:
+    """Full parameters plus every optimizer state tensor, by "name:key"."""
+    full = _full_params(engine)
+    kinds = {p: engine.optimizer.param_groups[engine.locate(p)[0].optimizer_group]["use_muon"]
+             for _, p in engine.module.named_parameters()}
+    for name, p in engine.module.named_parameters():
+        keys = ("momentum_buffer",) if kinds[p] else ("exp_avg", "exp_avg_sq", "step")
+        for key in keys:
+            full[f"{name}:{key}"] = zeroshard.safe_get_full_optimizer_state(p, key)
+    return full
+
+
+def save_after_one_step(stage: int, ckpt_dir: str) -> list[dict]:
+    """One step, a checkpoint, one more step: the full state after each step."""
+    engine = _engine(stage, "gram", CLIP)
+    snapshots = []
+    for step, batch in enumerate(global_batches(torch.distributed.get_world_size())):
+        engine.backward(engine(*_local_rows(batch)))
+        engine.step()
+        snapshots.append(_full_state(engine))
+        if step == 0:
+            engine.save_checkpoint(ckpt_dir, tag="step1")
+    return snapshots
+
+
+def load_and_continue(stage: int, ckpt_dir: str) -> list[dict]:
+    """A fresh engine loads the step-1 checkpoint: its full state, then after step 2."""
+    engine = _engine(stage, "gram", CLIP)
+    engine.load_checkpoint(ckpt_dir, tag="step1")
+    snapshots = [_full_state(engine)]
+    batch = global_batches(torch.distributed.get_world_size())[1]
+    engine.backward(engine(*_local_rows(batch)))
+    engine.step()
+    snapshots.append(_full_state(engine))
+    return snapshots
+
+
 # ------------------------------------------------------------------------- the tests
 CASES = [(stage, ns, clip, True) for stage in (0, 1, 2, 3) for ns in ("gram", "standard") for clip in (0.0, CLIP)]
 
@@ -333,3 +370,22 @@ def test_skipped_overflow_step_leaves_momentum_untouched(dist_pool, stage):
         assert torch.equal(first["momentum"], second["momentum"])
         for name in first["params"]:
             assert torch.equal(first["params"][name], second["params"][name]), name
+
+
+def _assert_same_state(ours: dict, theirs: dict, label: str) -> None:
+    assert ours.keys() == theirs.keys(), label
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), f"{label}: {key}"
+
+
+def test_checkpoint_holds_muon_momentum_and_reshards(dist_pool, tmp_path):
+    """Saved on 2 ranks at stage 1; loaded on 2 ranks at stage 1 (resume: bitwise the
+    uninterrupted run) and on 3 ranks at stage 3 (reshard: bitwise the saved state)."""
+    saved = dist_pool(2).run(save_after_one_step, 1, str(tmp_path), timeout=120)[0]
+    assert saved[0]["blocks.0.down.weight:momentum_buffer"].abs().sum() > 0
+    resumed = dist_pool(2).run(load_and_continue, 1, str(tmp_path), timeout=120)[0]
+    _assert_same_state(resumed[0], saved[0], "loaded on W=2")
+    _assert_same_state(resumed[1], saved[1], "resumed step 2 on W=2")
+    resharded = dist_pool(3).run(load_and_continue, 3, str(tmp_path), timeout=120)
+    for rank, snapshots in enumerate(resharded):
+        _assert_same_state(snapshots[0], saved[0], f"loaded on W=3 stage 3, rank {rank}")

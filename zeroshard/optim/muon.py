@@ -347,8 +347,8 @@ def _momentum_direction(grad: torch.Tensor, state: dict[str, Any], group: Mappin
     return m
 
 
-def _compute_dtype(group: Mapping[str, Any], device: torch.device) -> torch.dtype:
-    return resolve_ns_dtype(group["ns_dtype"], device, group["ns_method"])
+def _compute_dtype(group: Mapping[str, Any], like: torch.Tensor) -> torch.dtype:
+    return resolve_ns_dtype(group["ns_dtype"], like.device, group["ns_method"], like.dtype)
 
 
 def _fill_group_defaults(group: dict[str, Any]) -> None:
@@ -488,7 +488,7 @@ class ShardedMuon(torch.optim.Optimizer):
             raise RuntimeError("ShardedMuon: call attach_flats(engine.flats) before the first step.")
         flat = layout.flat
         u = _momentum_direction(p.grad, self.state[p], group)
-        compute_dtype = _compute_dtype(group, p.device)
+        compute_dtype = _compute_dtype(group, p)
         master_start, master_numel = flat.master_range()
         if master_numel == flat.padded_numel:
             full_u = u
@@ -644,7 +644,7 @@ class Muon(torch.optim.Optimizer):
             for (rows, cols), pairs in by_shape.items():
                 batch = torch.cat([u for _, u in pairs])
                 result = orthogonalize(batch, group["ns_steps"], group["ns_method"],
-                                       _compute_dtype(group, batch.device))
+                                       _compute_dtype(group, batch))
                 start = 0
                 for p, u in pairs:
                     o = result[start : start + u.shape[0]].to(p.dtype)

@@ -59,17 +59,22 @@ _DTYPE_NAMES = {
 NS_DTYPE_NAMES = ("auto", *_DTYPE_NAMES)
 
 
-def resolve_ns_dtype(name: str | torch.dtype, device: torch.device | str, method: str) -> torch.dtype:
+def resolve_ns_dtype(
+    name: str | torch.dtype, device: torch.device | str, method: str, input_dtype: torch.dtype = torch.float32
+) -> torch.dtype:
     """The Newton-Schulz compute dtype for `name` on `device`.
 
     "auto" is fp32 on CPU (CPU half-precision matmuls are slow and gain nothing), and on a
     GPU bf16 for the standard iteration, fp16 for the Gram form (fp16's extra mantissa bits
-    matter there, and the normalised values never approach its range limit).
+    matter there, and the normalised values never approach its range limit). float64
+    inputs stay float64 under "auto" (whoever keeps float64 weights wants the precision).
     """
     if isinstance(name, torch.dtype):
         return name
     key = name.lower()
     if key == "auto":
+        if input_dtype == torch.float64:
+            return torch.float64
         if torch.device(device).type == "cpu":
             return torch.float32
         return torch.float16 if method == "gram" else torch.bfloat16
@@ -139,7 +144,7 @@ def orthogonalize(
         raise ValueError(f"ns_method={method!r}: must be one of {', '.join(NS_METHODS)}.")
     if steps < 1:
         raise ValueError(f"ns_steps={steps}: must be at least 1.")
-    compute_dtype = resolve_ns_dtype(dtype, matrices.device, method)
+    compute_dtype = resolve_ns_dtype(dtype, matrices.device, method, matrices.dtype)
     shape = matrices.shape
     rows, cols = shape[-2], shape[-1]
     transposed = rows > cols
