@@ -566,8 +566,9 @@ def shared_pool(world_size: int) -> DistPool:
 
 def close_shared_pools() -> None:
     """Stop every pool of this process."""
+    pools = list(_LIVE_POOLS)  # before clearing, or the weak set loses the shared pools
     _SHARED_POOLS.clear()
-    for pool in list(_LIVE_POOLS):
+    for pool in pools:
         pool.close()
 
 

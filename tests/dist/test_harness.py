@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist.harness import DistPool, DistTaskError, DistTimeoutError
+from tests.dist.harness import DistPool, DistTaskError, DistTimeoutError, close_shared_pools
 
 # ---- tasks (module level: workers import them by name) -------------------------------------
 
@@ -160,3 +160,14 @@ def test_destroyed_process_group_means_fresh_workers_and_close_stops_them() -> N
         assert pool.spawn_count == 2
         procs = list(pool._procs)
     assert procs and not any(p.is_alive() for p in procs)
+
+
+def test_close_shared_pools_stops_workers_and_removes_their_files(dist_pool) -> None:
+    pool = dist_pool(1)
+    pool.run(rank_and_world)
+    procs, workdir = list(pool._procs), pool._workdir
+    assert workdir is not None and os.path.isdir(workdir)
+    close_shared_pools()  # what the fixture does at session end; later users respawn
+    assert not any(p.is_alive() for p in procs)
+    assert not os.path.exists(workdir)
+    assert dist_pool(1) is not pool
