@@ -1,4 +1,4 @@
-"""The `zeroshard` command: explain (here), demo (zeroshard.demo.cli), launch and to-fp32 (later).
+"""The `zeroshard` command: explain (here), demo (zeroshard.demo.cli), to-fp32 (zeroshard.checkpoint), launch (later).
 
 `zeroshard explain CONFIG` prints what a config resolves to: the precision of every tensor role
 per parameter group, the defaults it applied, the keys accepted with no effect, and the per-rank
@@ -326,8 +326,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a small GPT on the standard library's source (see `zeroshard demo --help`)",
         add_help=False,
     )
-    # `launch` and `to-fp32` are planned subcommands (DESIGN section 1).
+    to_fp32 = sub.add_parser(
+        "to-fp32",
+        help="consolidate a sharded checkpoint into one fp32 state dict (safetensors)",
+        description="Write the full fp32 state dict of a zeroshard checkpoint, with the model's own "
+        "parameter names (tied ones under each name) and buffers: model.load_state_dict(strict=True) takes it.",
+    )
+    to_fp32.add_argument("checkpoint", metavar="CKPT_DIR", help="the save directory (or one tag's directory)")
+    to_fp32.add_argument("output", metavar="OUT", help="output file (.safetensors; another suffix: torch.save)")
+    to_fp32.add_argument("--tag", help="which checkpoint (default: the one 'latest' names)")
+    to_fp32.set_defaults(handler=_run_to_fp32)
+    # `launch` is a planned subcommand (DESIGN section 1).
     return parser
+
+
+def _run_to_fp32(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import CheckpointError, write_fp32
+
+    try:
+        path = write_fp32(args.checkpoint, args.output, tag=args.tag)
+    except CheckpointError as exc:
+        print(f"zeroshard to-fp32: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return EXIT_OK
 
 
 def _run_demo(argv: list[str]) -> int:

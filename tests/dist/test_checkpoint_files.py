@@ -26,6 +26,7 @@ from tests.dist.test_checkpoint_helpers import (
 )
 from zeroshard import checkpoint_save
 from zeroshard.checkpoint import CheckpointError, consolidate_fp32, write_fp32
+from zeroshard.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,19 @@ def test_consolidated_fp32_loads_strictly_into_a_plain_model(saved, tmp_path) ->
     from_file = load_file(str(out))
     assert set(from_file) == set(state)  # safetensors stores names sorted, not in model order
     assert_tensors_equal(state, from_file, "to-fp32 file")
+
+
+def test_to_fp32_command(saved, tmp_path, capsys) -> None:
+    ckpt, at_save = saved
+    out = tmp_path / "consolidated.safetensors"
+    assert cli_main(["to-fp32", str(ckpt), str(out)]) == 0
+    state = load_file(str(out))
+    model = TinyLM()
+    model.load_state_dict(state, strict=True)
+    assert torch.equal(model.head.weight, model.emb.weight)
+    assert_tensors_equal(at_save["params"], {n: state[n] for n in at_save["params"]}, "to-fp32")
+    assert cli_main(["to-fp32", str(ckpt), str(tmp_path / "x.safetensors"), "--tag", "nope"]) == 1
+    assert "no checkpoint with tag 'nope'" in capsys.readouterr().err
 
 
 def test_save_16bit_model_is_the_module_in_parameter_dtype(tmp_path) -> None:
