@@ -268,3 +268,39 @@ def test_step_before_attach_flats_says_what_to_do():
     engine.backward(engine(x, y))
     with pytest.raises(RuntimeError, match=r"attach_flats\(engine.flats\)"):
         engine.step()
+
+
+def test_bf16_masters_keep_fp32_momentum_when_the_plan_says_so():
+    """bf16 masters with fp32 state (what bf16.bf16_master_weights_and_grads without
+    bf16_optimizer_states asks for; the engine passes that dtype to `build_muon`). The
+    momentum after one step is exactly (1 - beta) g of the fp32-cast gradient.
+
+    The engine refuses an optimizer factory under that plan, so the config here keeps bf16
+    state and the test gives ShardedMuon the fp32 state dtype itself."""
+    model = Net()
+    hyper, group_of = split_param_groups(model, [{}], {id(p): 0 for p in model.parameters()},
+                                         {**muon_kwargs("gram", True), "betas": list(BETAS)})
+    groups = [dict(h, params=[p for p in model.parameters() if group_of[id(p)] == i]) for i, h in enumerate(hyper)]
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
+              "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+    engine, optimizer, _, _ = zeroshard.initialize(
+        model=model, model_parameters=groups, config=config,
+        optimizer=lambda g: ShardedMuon(g, state_dtype=torch.float32),
+    )
+    optimizer.attach_flats(engine.flats)
+    x, y = batches()[0]
+    engine.backward(engine(x, y))
+    grads = {id(f.master): f.reduced_grad_buffer().float().clone() for f in engine.flats}
+    before = {id(f.master): f.master.clone() for f in engine.flats}
+    engine.step()
+    for group in optimizer.param_groups:
+        for master in group["params"]:
+            assert master.dtype == torch.bfloat16
+            state = optimizer.state[master]
+            if group["use_muon"]:
+                momentum = state["momentum_buffer"]
+                assert momentum.dtype == torch.float32
+                assert torch.equal(momentum, grads[id(master)] * (1 - MOMENTUM))
+            else:
+                assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
+            assert not torch.equal(master, before[id(master)]), "the step moved the bf16 master"

@@ -315,36 +315,67 @@ def split_param_groups(
 
 
 # ------------------------------------------------------------------------- shared maths
-def _adamw_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any]) -> None:
-    """torch's single-tensor AdamW (decoupled weight decay, bias correction)."""
-    if not state:
+def _state_tensor(state: dict[str, Any], key: str, like: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if key not in state:
+        state[key] = torch.zeros_like(like, dtype=dtype or like.dtype)
+    return state[key]
+
+
+def _in_fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when it is fp32 or wider (updated in place), else an fp32 copy to write back."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _adamw_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any],
+                state_dtype: torch.dtype | None = None) -> None:
+    """torch's single-tensor AdamW (decoupled weight decay, bias correction), in fp32
+    whatever the dtypes of the master and of the moments (`state_dtype`, default the master's)."""
+    if "step" not in state:
         state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p)
-        state["exp_avg_sq"] = torch.zeros_like(p)
+    exp_avg_t = _state_tensor(state, "exp_avg", p, state_dtype)
+    exp_avg_sq_t = _state_tensor(state, "exp_avg_sq", p, state_dtype)
     beta1, beta2 = group["betas"]
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     state["step"] += 1
     step = float(state["step"])
+    param, grad = _in_fp32(p), _in_fp32(grad)
+    exp_avg, exp_avg_sq = _in_fp32(exp_avg_t), _in_fp32(exp_avg_sq_t)
     if wd != 0.0:
-        p.mul_(1.0 - lr * wd)
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        param.mul_(1.0 - lr * wd)
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     bias1, bias2 = 1.0 - beta1**step, 1.0 - beta2**step
     denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(group["eps"])
-    p.addcdiv_(exp_avg, denom, value=-lr / bias1)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+    for target, value in ((p, param), (exp_avg_t, exp_avg), (exp_avg_sq_t, exp_avg_sq)):
+        if target is not value:
+            target.copy_(value)
 
 
-def _momentum_direction(grad: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any]) -> torch.Tensor:
-    """Update the momentum in `state` with `grad`; return u (Nesterov or plain momentum)."""
-    if "momentum_buffer" not in state:
-        state["momentum_buffer"] = torch.zeros_like(grad)
+def _momentum_direction(grad: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any],
+                        state_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Update the momentum in `state` with `grad`; return u (Nesterov or plain momentum) in
+    fp32 or wider, whatever the dtypes of the gradient and the momentum (`state_dtype`)."""
+    m_t = _state_tensor(state, "momentum_buffer", grad, state_dtype)
     beta = float(group["momentum"])
-    m = state["momentum_buffer"]
+    grad, m = _in_fp32(grad), _in_fp32(m_t)
     m.mul_(beta).add_(grad, alpha=1.0 - beta)
+    if m is not m_t:
+        m_t.copy_(m)
     if group["nesterov"]:
         return grad.mul(1.0 - beta).add_(m, alpha=beta)
-    return m
+    return m  # read only from here on
+
+
+def _apply_update(p: torch.Tensor, update: torch.Tensor, group: Mapping[str, Any]) -> None:
+    """p <- p (1 - lr wd) - lr update, in fp32 or wider."""
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    param = _in_fp32(p)
+    if wd != 0.0:
+        param.mul_(1.0 - lr * wd)
+    param.add_(update, alpha=-lr)
+    if param is not p:
+        p.copy_(param)
 
 
 def _compute_dtype(group: Mapping[str, Any], like: torch.Tensor) -> torch.dtype:
@@ -433,13 +464,19 @@ class ShardedMuon(torch.optim.Optimizer):
             hyper-parameters (`split_param_groups` makes them; missing ones take defaults).
         flats: the engine's flat buffers; may be given later with `attach_flats`, before the
             first step.
+        state_dtype: dtype of the momentum and moments when the precision plan wants it
+            other than the masters' (bf16 masters, fp32 state); arithmetic is fp32 either way.
     """
 
-    def __init__(self, groups: list[dict[str, Any]], flats: Sequence[FlatParamGroup] | None = None) -> None:
+    def __init__(
+        self, groups: list[dict[str, Any]], flats: Sequence[FlatParamGroup] | None = None,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
         groups = [dict(g) for g in groups]
         for group in groups:
             _fill_group_defaults(group)
         super().__init__(groups, {})
+        self.state_dtype = state_dtype
         self._layouts: dict[int, _MuonLayout] = {}
         if flats is not None:
             self.attach_flats(flats)
@@ -479,7 +516,7 @@ class ShardedMuon(torch.optim.Optimizer):
                 if group["use_muon"]:
                     self._muon_step(p, group)
                 else:
-                    _adamw_step(p, p.grad, self.state[p], group)
+                    _adamw_step(p, p.grad, self.state[p], group, self.state_dtype)
         return loss
 
     def _muon_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
@@ -487,7 +524,7 @@ class ShardedMuon(torch.optim.Optimizer):
         if layout is None:
             raise RuntimeError("ShardedMuon: call attach_flats(engine.flats) before the first step.")
         flat = layout.flat
-        u = _momentum_direction(p.grad, self.state[p], group)
+        u = _momentum_direction(p.grad, self.state[p], group, self.state_dtype)
         compute_dtype = _compute_dtype(group, p)
         master_start, master_numel = flat.master_range()
         if master_numel == flat.padded_numel:
@@ -514,7 +551,7 @@ class ShardedMuon(torch.optim.Optimizer):
         else:
             every = packed
 
-        update = torch.zeros_like(p)
+        update = torch.zeros_like(u)
         for t in layout.tasks:  # the part of each O that falls in this rank's master range
             lo = max(t.flat_offset, master_start)
             hi = min(t.flat_offset + t.numel, master_start + master_numel)
@@ -525,19 +562,17 @@ class ShardedMuon(torch.optim.Optimizer):
             target.copy_(source)
             if t.scale != 1.0:
                 target.mul_(t.scale)
-        lr, wd = float(group["lr"]), float(group["weight_decay"])
-        if wd != 0.0:
-            p.mul_(1.0 - lr * wd)
-        p.add_(update, alpha=-lr)
+        _apply_update(p, update, group)
 
 
 def build_muon(
-    params_cfg: Mapping[str, Any] | None, groups: list[dict[str, Any]], flats: Sequence[FlatParamGroup]
+    params_cfg: Mapping[str, Any] | None, groups: list[dict[str, Any]], flats: Sequence[FlatParamGroup],
+    state_dtype: torch.dtype | None = None,
 ) -> ShardedMuon:
     """The engine's Muon: `groups` (from `split_param_groups`, "params" = master tensors)
     over `flats`. `params_cfg` is validated again so a direct caller gets the same errors."""
     parse_muon_params(params_cfg)
-    return ShardedMuon(groups, flats)
+    return ShardedMuon(groups, flats, state_dtype)
 
 
 # ------------------------------------------------------------------ single-process Muon
@@ -640,19 +675,16 @@ class Muon(torch.optim.Optimizer):
                 u = _momentum_direction(p.grad, self.state[p], group)
                 _, rows, cols = matrix_layout(p.shape)
                 by_shape.setdefault((rows, cols), []).append((p, u.reshape(-1, rows, cols)))
-            lr, wd = float(group["lr"]), float(group["weight_decay"])
             for (rows, cols), pairs in by_shape.items():
                 batch = torch.cat([u for _, u in pairs])
                 result = orthogonalize(batch, group["ns_steps"], group["ns_method"],
                                        _compute_dtype(group, batch))
                 start = 0
                 for p, u in pairs:
-                    o = result[start : start + u.shape[0]].to(p.dtype)
+                    o = result[start : start + u.shape[0]].to(u.dtype)
                     start += u.shape[0]
                     scale = update_scale(rows, cols)
                     if scale != 1.0:
                         o.mul_(scale)
-                    if wd != 0.0:
-                        p.mul_(1.0 - lr * wd)
-                    p.add_(o.reshape(p.shape), alpha=-lr)
+                    _apply_update(p, o.reshape(p.shape), group)
         return loss
