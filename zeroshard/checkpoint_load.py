@@ -168,6 +168,15 @@ def _flat_optimizer_state(engine: Any, flat: Any, reader: CheckpointReader, read
     return state
 
 
+# Optimizer classes that keep the same state under the same names (AdamW's moments kept in
+# another dtype by StateDtypeAdamW): a checkpoint of one loads into the other.
+_OPTIMIZER_FAMILIES = {"StateDtypeAdamW": "AdamW"}
+
+
+def _optimizer_family(class_name: str) -> str:
+    return _OPTIMIZER_FAMILIES.get(class_name, class_name)
+
+
 def _python_state(reader: CheckpointReader) -> dict[str, Any]:
     path = reader.verify_file(PYTHON_STATE_FILE)
     try:
@@ -217,7 +226,7 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
                     "load_optimizer_states=False and load_lr_scheduler_states=False."
                 )
             if options.optimizer_states:
-                if saved_opt["class"] != type(engine.optimizer).__name__:
+                if _optimizer_family(saved_opt["class"]) != _optimizer_family(type(engine.optimizer).__name__):
                     raise CheckpointError(
                         f"checkpoint {tag_dir}: optimizer state of {saved_opt['class']}, this engine uses "
                         f"{type(engine.optimizer).__name__}; load with load_optimizer_states=False."
@@ -365,4 +374,3 @@ def load_checkpoint(
     if engine.global_rank == 0:
         logger.info("loaded checkpoint %s at step %d", loaded.tag_dir, engine.global_steps)
     return str(loaded.tag_dir), loaded.client_state
-

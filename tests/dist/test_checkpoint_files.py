@@ -141,6 +141,24 @@ def test_load_options(saved) -> None:
     assert state["counters"] == at_save["counters"] and state["lr"] == at_save["lr"]
 
 
+def test_load_into_another_precision_mode(saved) -> None:
+    """bf16 (fp32 masters) saved, loaded as fp32 and as bf16 masters with fp32 moments."""
+    ckpt, at_save = saved
+    fp32 = make_engine(2, "fp32", seed=1)
+    fp32.load_checkpoint(str(ckpt))
+    assert_tensors_equal(at_save["params"], snapshot(fp32)["params"], "fp32 masters")
+    assert_tensors_equal(at_save["optimizer"], snapshot(fp32)["optimizer"], "fp32 moments")
+
+    low = make_engine(1, "bf16_master_fp32_state", seed=1)
+    low.load_checkpoint(str(ckpt))
+    state = snapshot(low)
+    for name, master in at_save["params"].items():
+        assert torch.equal(state["params"][name], master.to(torch.bfloat16).float()), name
+        assert torch.equal(state["module"][name], master.to(torch.bfloat16)), name
+    assert_tensors_equal(at_save["optimizer"], state["optimizer"], "moments kept in fp32")
+    train(low, 2, 3)  # and it trains on
+
+
 def test_sampler_epoch_is_restored(tmp_path) -> None:
     data = torch.utils.data.TensorDataset(torch.arange(24).reshape(12, 2))
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}

@@ -55,6 +55,8 @@ MODES = {
     "fp16": {"fp16": {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2}},
     "autocast": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
     "bf16_master": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+    # bf16 master weights with fp32 optimizer state (StateDtypeAdamW).
+    "bf16_master_fp32_state": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
 }
 
 

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from tests.dist.test_checkpoint_helpers import (
-    MODES,
     assert_snapshots_equal,
     make_engine,
     snapshot,
@@ -62,8 +61,13 @@ def resume_is_bitexact(stage: int, mode: str, ckpt_dir: str, dropout: float = 0.
     return {"losses": losses, "loss_scale": resumed.loss_scale, "skipped": resumed.skipped_steps}
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+MATRIX = [(stage, mode) for stage in (0, 1, 2, 3) for mode in ("fp32", "bf16", "fp16", "autocast")]
+# bf16 master weights (with bf16 or fp32 optimizer state) at the two layouts of masters:
+# whole buffer (stage 0) and shard (stage 3).
+MATRIX += [(stage, mode) for stage in (0, 3) for mode in ("bf16_master", "bf16_master_fp32_state")]
+
+
+@pytest.mark.parametrize("stage,mode", MATRIX)
 def test_resume_bitexact_world2(dist_pool, tmp_path, stage: int, mode: str) -> None:
     results = dist_pool(2).run(resume_is_bitexact, stage, mode, str(tmp_path), timeout=120)
     assert results[0]["losses"] == results[1]["losses"]
