@@ -35,5 +35,6 @@ def test_read_metrics_round_trip(tmp_path) -> None:
 
 
 def test_moving_average() -> None:
-    assert moving_average([1.0, 3.0, 5.0, 7.0], window=2) == pytest.approx([1.0, 2.0, 4.0, 6.0])
-    assert moving_average([2.0, 4.0], window=10) == pytest.approx([2.0, 3.0])
+    assert moving_average([1.0, 3.0, 5.0, 7.0], half_width=1) == pytest.approx([2.0, 3.0, 5.0, 6.0])
+    assert moving_average([2.0, 4.0], half_width=10) == pytest.approx([3.0, 3.0])
+    assert moving_average([2.0, 4.0], half_width=0) == pytest.approx([2.0, 4.0])

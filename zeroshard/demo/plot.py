@@ -16,14 +16,18 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over up to `window` values, one output per input."""
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+def moving_average(values: list[float], half_width: int) -> list[float]:
+    """Centred mean over values[i - half_width : i + half_width + 1], cut at the ends.
+
+    Centred rather than trailing, so the smoothed curve does not lag the raw one.
+    """
+    prefix = [0.0]
+    for value in values:
+        prefix.append(prefix[-1] + value)
+    out = []
+    for i in range(len(values)):
+        lo, hi = max(0, i - half_width), min(len(values), i + half_width + 1)
+        out.append((prefix[hi] - prefix[lo]) / (hi - lo))
     return out
 
 
@@ -52,8 +56,8 @@ def write_loss_plot(records: Iterable[dict], path: str | Path, title: str = "zer
     if train:
         steps, losses = zip(*train, strict=True)
         ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="train (per step)")
-        window = max(1, len(losses) // 20)
-        ax.plot(steps, moving_average(list(losses), window), color="tab:blue", label="train (smoothed)")
+        half_width = len(losses) // 40  # about 5% of the run in each window
+        ax.plot(steps, moving_average(list(losses), half_width), color="tab:blue", label="train (smoothed)")
     if val:
         steps, losses = zip(*val, strict=True)
         ax.plot(steps, losses, "o-", color="tab:orange", label="validation")

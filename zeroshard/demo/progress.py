@@ -60,7 +60,7 @@ class ProgressReporter:
             self._progress.stop()
 
     def update(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
-        """Report the optimizer step just finished."""
+        """Report the optimizer step just finished (tokens_per_s: the run's average so far)."""
         if not self.enabled:
             return
         if self._progress is not None:

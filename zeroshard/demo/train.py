@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     t_last = t_start
+    train_seconds = 0.0  # time in training steps this run, for the average tokens/s shown
+    average_tokens_per_s = 0.0
     window_loss = torch.zeros((), device=engine.device)  # sum of micro-batch losses this step
     window_micro = 0
     with progress:
@@ -252,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                 window_micro = 0
                 now = time.perf_counter()
                 tokens_per_s = tokens_per_step / (now - t_last)
+                train_seconds += now - t_last
+                average_tokens_per_s = (step - start_step) * tokens_per_step / train_seconds
                 grad_norm = engine.get_global_grad_norm()
                 record = {
                     "step": step,
@@ -268,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     with metrics_path.open("a") as f:
                         f.write(json.dumps(record) + "\n")
-                progress.update(step, loss_value, tokens_per_s, record["lr"])
+                progress.update(step, loss_value, average_tokens_per_s, record["lr"])
                 if not math.isfinite(loss_value):
                     raise SystemExit(f"loss is {loss_value} at step {step}: training diverged.")
                 if args.checkpoint_every > 0 and step % args.checkpoint_every == 0 and step < args.steps:
@@ -292,9 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / "sample.txt").write_text(sample + "\n")
         if records:
             first, last = records[0], records[-1]
+            speed = f"; {average_tokens_per_s:,.0f} tokens/s on average this run" if train_seconds else ""
             progress.print(
                 f"\nloss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} "
-                f"(step {last['step']}); {last['elapsed_s']:.0f} s in all"
+                f"(step {last['step']}); {last['elapsed_s']:.0f} s of training in all{speed}"
             )
         progress.print("[bold]sample:[/]")
         progress.print(sample, markup=False, highlight=False)
