@@ -377,10 +377,16 @@ class CheckpointReader:
             numel *= int(dim)
         return self.read_range(name, kind, 0, numel).reshape(entry["shape"])
 
-    def read_scalar(self, name: str, key: str) -> torch.Tensor | None:
-        """A 0-d optimizer state of the flat buffer that held `name` (None for an empty param)."""
-        entry = self.index["params"][name]
-        if not entry["fragments"]:
+    def read_scalar(self, names: list[str], key: str) -> torch.Tensor | None:
+        """A 0-d optimizer state (e.g. `step`) saved with any of the parameters `names`.
+
+        Every flat buffer that held one of them stepped together, so any fragment's copy
+        will do; one in a file this reader has already opened is preferred (no extra file
+        to read and check). None when none of them has a fragment (all empty).
+        """
+        fragments = [f for name in names for f in self.index["params"][name]["fragments"]]
+        if not fragments:
             return None
-        frag = entry["fragments"][0]
+        opened = [f for f in fragments if rank_file_name(f["rank"]) in self._open]
+        frag = (opened or fragments)[0]
         return self._get(rank_file_name(frag["rank"]), tensor_name(scalar_kind(key), frag["tensor"]))

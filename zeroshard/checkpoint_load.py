@@ -153,10 +153,10 @@ def _flat_optimizer_state(engine: Any, flat: Any, reader: CheckpointReader, read
         dtype = existing.dtype if isinstance(existing, torch.Tensor) else saved
         state[key] = _assemble(flat, read, state_kind(key), dtype)
     if scalars:
-        holder = next((n for n in flat.names if params[n]["fragments"]), None)
-        holder = holder or next(n for n, e in params.items() if e["fragments"])
         for key, kind in scalars.items():
-            value = reader.read_scalar(holder, key)
+            value = reader.read_scalar(flat.names, key)
+            if value is None:  # only empty parameters here: any other flat's copy
+                value = reader.read_scalar(list(params), key)
             if kind == "float":
                 state[key] = float(value)
             elif kind == "int":
