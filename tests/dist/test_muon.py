@@ -273,7 +273,12 @@ def load_and_continue(stage: int, ckpt_dir: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------------- the tests
-CASES = [(stage, ns, clip, True) for stage in (0, 1, 2, 3) for ns in ("gram", "standard") for clip in (0.0, CLIP)]
+# World size 2: every stage x ns_method x clipping. World size 3: every stage with each
+# ns_method once and each clipping setting once (half the runs, every value still on every stage).
+CASES = {
+    2: [(stage, ns, clip, True) for stage in (0, 1, 2, 3) for ns in ("gram", "standard") for clip in (0.0, CLIP)],
+    3: [(stage, ns, clip, True) for stage in (0, 1, 2, 3) for ns, clip in (("gram", CLIP), ("standard", 0.0))],
+}
 
 
 def _assert_ranks_bitwise_equal(per_rank: list[dict], label: str) -> None:
@@ -285,10 +290,10 @@ def _assert_ranks_bitwise_equal(per_rank: list[dict], label: str) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_muon_matches_reference_on_every_stage(dist_pool, world_size):
-    per_rank = dist_pool(world_size).run(train_cases, CASES, timeout=240)
+    per_rank = dist_pool(world_size).run(train_cases, CASES[world_size], timeout=240)
     references = {clip: reference_run(world_size, clip) for clip in (0.0, CLIP)}
     by_case = {}
-    for index, (stage, ns, clip, _) in enumerate(CASES):
+    for index, (stage, ns, clip, _) in enumerate(CASES[world_size]):
         label = f"W={world_size} stage {stage} {ns} clip={clip}"
         results = [r[index] for r in per_rank]
         _assert_ranks_bitwise_equal(results, label)
