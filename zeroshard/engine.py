@@ -25,7 +25,7 @@ from .config import ZeroshardConfig
 from .flat import FlatParamGroup
 from .grad_reduce import start_reduce
 from .loss_scale import make_loss_scaler
-from .optim import build_optimizer, repoint_optimizer
+from .optim import build_optimizer, muon, repoint_optimizer
 from .precision import PrecisionPlan, assign_param_groups
 from .stages import stage_policy
 from .unit import Unit
@@ -102,6 +102,10 @@ class Engine:
         self._pending_reductions: list = []  # started, not yet finished (see grad_reduce)
 
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
+        if muon.is_muon_requested(optimizer, config.optimizer):
+            # Muon and AdamW parameters in separate groups, hence separate flats (optim/muon.py).
+            params_cfg = config.optimizer.params if optimizer is None else None
+            hyper, group_of = muon.split_param_groups(model, hyper, group_of, params_cfg)
         self._cast_module(model)
         self.units = self._build_units(model, group_of)
         self.flats = [f for unit in self.units for f in unit.flats]
@@ -196,6 +200,9 @@ class Engine:
                 "asks for another (bf16.bf16_master_weights_and_grads without bf16_optimizer_states). "
                 "Configure the optimizer in the config's 'optimizer' section, or set both bf16 options."
             )
+        if muon.is_muon_requested(optimizer, self.config.optimizer):
+            params_cfg = self.config.optimizer.params if optimizer is None else None
+            return muon.build_muon(params_cfg, groups, self.flats, state_dtype)
         if isinstance(optimizer, torch.optim.Optimizer):
             return repoint_optimizer(optimizer, masters_by_group)
         if callable(optimizer):

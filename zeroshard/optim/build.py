@@ -52,7 +52,7 @@ def build_optimizer(
     if kind not in _SUPPORTED:
         raise ValueError(
             f"optimizer.type={opt_type!r}: not supported by zeroshard. "
-            f"Use one of Adam, AdamW, SGD (Muon arrives with its own issue)."
+            f"Use one of Adam, AdamW, SGD or Muon (the engine builds Muon itself)."
         )
     for key in params:
         if key not in _SUPPORTED[kind]:
