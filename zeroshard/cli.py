@@ -166,6 +166,15 @@ def explain_data(
         if units is not None:
             data["model"]["units"] = {"count": len(units), "largest_numel": max(units, default=0)}
         estimate = estimate_for_config(config, plan, counts, unit_numels=units)
+        if config.optimizer is not None and config.optimizer.type.lower() == "muon":
+            from zeroshard.optim.muon import muon_param_plan
+
+            choices = muon_param_plan(model, config.optimizer.params)
+            data["model"]["muon"] = {
+                "muon": [c.name for c in choices if c.use_muon],
+                "adamw": [c.name for c in choices if not c.use_muon],
+                "reasons": {c.name: c.reason for c in choices},
+            }
     elif num_params is not None:
         estimate = estimate_for_config(config, plan, num_params)
     states = optimizer_state_count(
@@ -240,6 +249,15 @@ def _print_tables(data: dict[str, Any]) -> None:
             console.print(f"  {group}: {info['num_params']:,} ({shown or 'none'})")
         if "units" in model:
             console.print(f"  units: {model['units']['count']}, largest {model['units']['largest_numel']:,} elements")
+        if "muon" in model:
+            muon_table = Table(title="Muon: which optimizer each parameter gets")
+            muon_table.add_column("parameter")
+            muon_table.add_column("optimizer")
+            muon_table.add_column("why")
+            for name, reason in model["muon"]["reasons"].items():
+                kind = "Muon" if name in model["muon"]["muon"] else "AdamW"
+                muon_table.add_row(name, kind, reason)
+            console.print(muon_table)
 
     memory = data["memory"]
     estimate = memory["estimate"]
