@@ -146,6 +146,8 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
         elementwise: dict[str, str] = {}
         scalars: dict[str, str] = {}
         for key, value in opt_state.get(flat.master, {}).items():
+            if value is None:  # e.g. SGD without momentum keeps momentum_buffer=None
+                continue
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == flat.master.numel():
                 tensors[tensor_name(state_kind(key), fid)] = owned(value)
                 elementwise[key] = dtype_to_str(value.dtype)

@@ -35,9 +35,9 @@ def _rng_states() -> tuple:
     return (torch.get_rng_state().tolist(), random.getstate(), numpy_state[1].tolist(), numpy_state[2:])
 
 
-def resume_is_bitexact(stage: int, mode: str, ckpt_dir: str, dropout: float = 0.1) -> dict:
+def resume_is_bitexact(stage: int, mode: str, ckpt_dir: str, dropout: float = 0.1, optimizer: str = "AdamW") -> dict:
     ckpt_dir = _shared_dir(ckpt_dir)
-    uninterrupted = make_engine(stage, mode, seed=0, dropout=dropout)
+    uninterrupted = make_engine(stage, mode, seed=0, dropout=dropout, optimizer=optimizer)
     train(uninterrupted, 0, SAVE_AT)
     uninterrupted.save_checkpoint(ckpt_dir, client_state={"note": "resume", "step": SAVE_AT})
     at_save = snapshot(uninterrupted)
@@ -49,7 +49,7 @@ def resume_is_bitexact(stage: int, mode: str, ckpt_dir: str, dropout: float = 0.
     torch.manual_seed(99)
     random.seed(99)
     np.random.seed(99)
-    resumed = make_engine(stage, mode, seed=1, dropout=dropout)
+    resumed = make_engine(stage, mode, seed=1, dropout=dropout, optimizer=optimizer)
     path, client_state = resumed.load_checkpoint(ckpt_dir)
     assert path.endswith(f"global_step{SAVE_AT}"), path
     assert client_state == {"note": "resume", "step": SAVE_AT}, client_state
@@ -74,6 +74,12 @@ def test_resume_bitexact_world2(dist_pool, tmp_path, stage: int, mode: str) -> N
     if mode == "fp16":
         # The scale moved during the run (overflow halvings / window doublings) and came back exactly.
         assert results[0]["loss_scale"] != 2.0**10 or results[0]["skipped"] > 0
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_resume_bitexact_sgd_momentum(dist_pool, tmp_path, stage: int) -> None:
+    """SGD keeps one state tensor (momentum_buffer) and no step counter."""
+    dist_pool(2).run(resume_is_bitexact, stage, "bf16", str(tmp_path), optimizer="SGD", timeout=120)
 
 
 def resume_every_stage(mode: str, ckpt_dir: str) -> list[dict]:
