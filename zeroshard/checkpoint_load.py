@@ -218,7 +218,8 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
             return loaded
 
         saved_opt = index.get("optimizer")
-        if engine.optimizer is not None and saved_opt is not None:
+        wants_groups = options.optimizer_states or options.lr_scheduler_states
+        if engine.optimizer is not None and saved_opt is not None and wants_groups:
             if len(saved_opt["param_groups"]) != len(engine.optimizer.param_groups):
                 raise CheckpointError(
                     f"checkpoint {tag_dir}: {len(saved_opt['param_groups'])} optimizer param groups saved, "

@@ -369,11 +369,12 @@ def save_checkpoint(
         The checkpoint's directory.
     """
     save_dir = Path(save_dir)
-    tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     rank = engine.global_rank
     tags = all_gather_object(tag)
     if len(set(tags)) != 1:
         raise ValueError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag on every rank.")
+    validate_tag(tag)  # after the agreement, so that every rank raises or none does
     tmp = tmp_tag_dir(save_dir, tag)
 
     error: BaseException | None = None
