@@ -1,0 +1,184 @@
+"""Summarise peer-benchmark runs: medians over repeats, ratios, the table, the JSON and the chart.
+
+The headline numbers are ratios within one precision mode of one invocation: a run's median step
+time over the compute floor's, over DDP's, and over the fastest peer's (DDP, FSDP2, DeepSpeed).
+Absolute times depend on the machine and its load and are context only.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+PEER_ENGINES = ("ddp", "fsdp2", "deepspeed")
+MIB = 1024 * 1024
+
+
+def label(engine: str, stage: int | None, reshard: bool | None) -> str:
+    """Short row name: 'zeroshard s2', 'fsdp2 reshard', 'deepspeed s1', 'ddp', 'floor'."""
+    if engine in ("zeroshard", "deepspeed"):
+        return f"{engine} s{stage}"
+    if engine == "fsdp2":
+        return "fsdp2 reshard" if reshard else "fsdp2 keep"
+    return engine
+
+
+def summarise(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per cell: medians over its repeats, plus the ratios within its mode.
+
+    Args:
+        cells: dicts with keys label, engine, mode, status ("ok", "failed", "not run"),
+            reason, and results (one worker JSON per successful repeat).
+    """
+    rows = []
+    for cell in cells:
+        row = {k: cell[k] for k in ("label", "engine", "mode", "stage", "reshard", "status", "reason")}
+        results = cell.get("results") or []
+        if results:
+            row.update(_medians(results))
+            row["status"] = "ok"
+        rows.append(row)
+    for mode in {r["mode"] for r in rows}:
+        in_mode = [r for r in rows if r["mode"] == mode and r["status"] == "ok"]
+        floor = next((r for r in in_mode if r["engine"] == "floor"), None)
+        ddp = next((r for r in in_mode if r["engine"] == "ddp"), None)
+        peers = [r for r in in_mode if r["engine"] in PEER_ENGINES]
+        fastest = min(peers, key=lambda r: r["median_step_s"]) if peers else None
+        for r in in_mode:
+            t = r["median_step_s"]
+            r["x_floor"] = t / floor["median_step_s"] if floor else None
+            r["x_ddp"] = t / ddp["median_step_s"] if ddp else None
+            r["x_fastest_peer"] = t / fastest["median_step_s"] if fastest else None
+            r["fastest_peer"] = fastest["label"] if fastest else None
+    return rows
+
+
+def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in results)
+
+    def med_rank_max(key: str) -> float:
+        return statistics.median(max(p[key] for p in r["per_rank"]) for r in results)
+
+    first = results[0]
+    return {
+        "repeats": len(results),
+        "median_step_s": med("median_step_s"),
+        "step_s_per_repeat": [r["median_step_s"] for r in results],
+        "tokens_per_s": med("tokens_per_s"),
+        "phase_median_s": {
+            k: statistics.median(r["rank0_phase_median_s"][k] for r in results)
+            for k in ("forward", "backward", "step")
+        },
+        "model_state_bytes": med_rank_max("model_state_bytes"),
+        "model_states_by_role_rank0": first["per_rank"][0]["model_states"],
+        "live_tensor_bytes": med_rank_max("live_tensor_bytes"),
+        "peak_rss_bytes": med_rank_max("peak_rss_bytes"),
+        "rss_over_baseline_bytes": statistics.median(
+            max(p["peak_rss_bytes"] - p["baseline_rss_bytes"] for p in r["per_rank"]) for r in results
+        ),
+        "comm_bytes_per_step": first["comm_bytes_per_step"],
+        "comm_total_bytes_per_step": first["comm_total_bytes_per_step"],
+        "comm_wire_bytes_per_rank": first["comm_wire_bytes_per_rank"],
+        "comm_source": first["comm_source"],
+        "final_loss": first["final_loss"],
+        "final_loss_per_repeat": [r["final_loss"] for r in results],
+        "num_params": first["workload"]["num_params"],
+        "estimate_model_state_bytes": first.get("estimate_model_state_bytes"),
+        "comm_theory_bytes_per_step": first.get("comm_theory_bytes_per_step"),
+    }
+
+
+def _fmt_ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def print_table(rows: list[dict[str, Any]], title: str) -> None:
+    """The summary table on the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col, justify in (
+        ("mode", "left"), ("engine", "left"), ("step ms", "right"), ("tok/s", "right"),
+        ("x floor", "right"), ("x DDP", "right"), ("x fastest peer", "right"),
+        ("states MiB", "right"), ("live MiB", "right"), ("RSS MiB", "right"),
+        ("comm MiB/step", "right"), ("loss", "right"),
+    ):
+        table.add_column(col, justify=justify)
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["mode"], r["label"], f"[dim]{r['status']}: {r['reason'][:60]}[/dim]")
+            continue
+        table.add_row(
+            r["mode"], r["label"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
+            _fmt_ratio(r["x_floor"]), _fmt_ratio(r["x_ddp"]), _fmt_ratio(r["x_fastest_peer"]),
+            f"{r['model_state_bytes'] / MIB:.2f}", f"{r['live_tensor_bytes'] / MIB:.2f}",
+            f"{r['peak_rss_bytes'] / MIB:.0f}", f"{r['comm_total_bytes_per_step'] / MIB:.2f}",
+            f"{r['final_loss']:.4f}",
+        )
+    Console(width=200).print(table)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The same table as Markdown, for docs/benchmarks.md."""
+    head = (
+        "| mode | engine | step ms | tok/s | × floor | × DDP | × fastest peer | model states MiB/rank "
+        "| live tensors MiB | peak RSS MiB (Δ) | comm MiB/step | loss |\n"
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
+    )
+    lines = []
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['mode']} | {r['label']} | {r['status']}: {r['reason']} |||||||||||")
+            continue
+        comm = f"{r['comm_total_bytes_per_step'] / MIB:.2f}" + ("" if r["engine"] in ("zeroshard", "floor") else "*")
+        lines.append(
+            f"| {r['mode']} | {r['label']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} "
+            f"| {_fmt_ratio(r['x_floor'])} | {_fmt_ratio(r['x_ddp'])} | {_fmt_ratio(r['x_fastest_peer'])} "
+            f"| {r['model_state_bytes'] / MIB:.2f} | {r['live_tensor_bytes'] / MIB:.2f} "
+            f"| {r['peak_rss_bytes'] / MIB:.0f} ({r['rss_over_baseline_bytes'] / MIB:.0f}) "
+            f"| {comm} | {r['final_loss']:.4f} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Step time and model-state memory per engine, one row of panels per precision mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in dict.fromkeys(r["mode"] for r in rows) if any(
+        r["mode"] == m and r["status"] == "ok" for r in rows)]
+    if not modes:
+        return
+    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 2.6 * len(modes) + 0.6), squeeze=False)
+    colors = {"floor": "#888888", "zeroshard": "#1f77b4", "ddp": "#2ca02c", "fsdp2": "#ff7f0e",
+              "deepspeed": "#9467bd"}
+    for i, mode in enumerate(modes):
+        ok = [r for r in rows if r["mode"] == mode and r["status"] == "ok"]
+        names = [r["label"] for r in ok]
+        color = [colors.get(r["engine"], "#333333") for r in ok]
+        ax_t, ax_m = axes[i]
+        ax_t.barh(names, [r["median_step_s"] * 1e3 for r in ok], color=color)
+        floor = next((r for r in ok if r["engine"] == "floor"), None)
+        if floor:
+            ax_t.axvline(floor["median_step_s"] * 1e3, color="#444444", linestyle="--", linewidth=1)
+        ax_t.set_title(f"{mode}: median step time (ms; dashed = floor)", fontsize=9)
+        ax_m.barh(names, [r["model_state_bytes"] / MIB for r in ok], color=color)
+        ax_m.set_title(f"{mode}: model states per rank (MiB)", fontsize=9)
+        for ax in (ax_t, ax_m):
+            ax.invert_yaxis()
+            ax.tick_params(labelsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write_json(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]], cells: list[dict[str, Any]]) -> None:
+    path.write_text(json.dumps({"meta": meta, "rows": rows, "runs": cells}, indent=1))
