@@ -358,7 +358,11 @@ def load_checkpoint(
         if tag is None:
             tag = read_latest(load_dir)
         if tag is not None:
-            loaded = read_for_engine(engine, find_tag_dir(load_dir, validate_tag(tag)), options)
+            tag_dir = find_tag_dir(load_dir, validate_tag(tag))
+            try:
+                loaded = read_for_engine(engine, tag_dir, options)
+            except (KeyError, TypeError, IndexError) as exc:
+                raise CheckpointError(f"{tag_dir / 'index.json'}: malformed ({exc!r}); the index is corrupt.") from exc
     except Exception as exc:
         error = exc
     outcomes = all_gather_object("error" if error is not None else ("none" if loaded is None else "ok"))
