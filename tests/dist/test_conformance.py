@@ -49,8 +49,19 @@ PARAM_DTYPE = {
 }
 
 
+# Stage 3 with the root unit (332 elements) sharded and the blocks (304) resident
+# (stage3_param_persistence_threshold): both kinds of unit in one model.
+RESIDENT_BLOCKS = {"zero_optimization": {"stage3_param_persistence_threshold": 320}}
+
+
 def matrix_cases() -> list[Case]:
-    return [Case(stage=stage, mode=mode, ga=ga) for mode in MODES for ga in GRAD_ACCUM for stage in STAGES]
+    cases = [Case(stage=stage, mode=mode, ga=ga) for mode in MODES for ga in GRAD_ACCUM for stage in STAGES]
+    cases += [
+        Case(stage=3, mode=mode, ga=ga, extra=RESIDENT_BLOCKS, variant="resident-blocks")
+        for mode in ("fp32", "bf16")
+        for ga in GRAD_ACCUM
+    ]
+    return cases
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +153,12 @@ def test_stages_are_bitwise_identical_without_accumulation(matrix) -> None:
     losses and norms after every step (the cross-rank sum a + b is commutative, so an
     all-reduce and a reduce-scatter give the same bits), in every precision mode."""
     cases, per_rank = matrix(2)
-    by_key = {(c.mode, c.ga, c.stage): (i, c) for i, c in enumerate(cases)}
+    base_index = {c.mode: i for i, c in enumerate(cases) if (c.ga, c.stage, c.variant) == (1, 0, "")}
 
-    def check(mode: str, stage: int):
+    def check(index: int, case: Case):
         def run() -> None:
-            base = per_rank[0][by_key[(mode, 1, 0)][0]]
-            other = per_rank[0][by_key[(mode, 1, stage)][0]]
+            base = per_rank[0][base_index[case.mode]]
+            other = per_rank[0][index]
             assert other["losses"] == base["losses"], "losses differ"
             assert other["grad_norms"] == base["grad_norms"], "grad norms differ"
             for step in range(len(base["master"])):
@@ -159,7 +170,11 @@ def test_stages_are_bitwise_identical_without_accumulation(matrix) -> None:
 
         return run
 
-    run_all((f"{mode} stage {stage} vs 0", check(mode, stage)) for mode in MODES for stage in (1, 2, 3))
+    run_all(
+        (f"{case.label} vs stage 0", check(i, case))
+        for i, case in enumerate(cases)
+        if case.ga == 1 and (case.stage, case.variant) != (0, "")
+    )
 
 
 def test_stages_agree_with_accumulation(matrix) -> None:
@@ -168,7 +183,7 @@ def test_stages_agree_with_accumulation(matrix) -> None:
     bitwise; across the two pairs the sums run in another order: fp32 tolerance
     (1e-6 absolute, see reference.TOLERANCES)."""
     cases, per_rank = matrix(2)
-    by_key = {(c.mode, c.ga, c.stage): i for i, c in enumerate(cases)}
+    by_key = {(c.mode, c.ga, c.stage): i for i, c in enumerate(cases) if not c.variant}
     results = {stage: per_rank[0][by_key[("fp32", 4, stage)]] for stage in STAGES}
     for a, b in ((0, 1), (2, 3)):
         for step in range(3):
@@ -303,7 +318,7 @@ def test_fp16_stage0_update_is_not_shrunk_by_the_loss_scale(matrix) -> None:
     within the fp16 tolerance: a missing or doubled scale would be off by 256x."""
     cases, per_rank = matrix(2)
     for stage in STAGES:
-        index = next(i for i, c in enumerate(cases) if (c.mode, c.ga, c.stage) == ("fp16", 1, stage))
+        index = next(i for i, c in enumerate(cases) if (c.mode, c.ga, c.stage, c.variant) == ("fp16", 1, stage, ""))
         case, result = cases[index], per_rank[0][index]
         assert result["loss_scales"] == [2.0**8] * case.steps
         ref = reference_for(case, 2)

@@ -29,6 +29,12 @@ PRECISION_SECTIONS: dict[str, dict[str, Any]] = {
     # bf16 accumulation and reduction: DeepSpeed's default behaviour.
     "bf16_accum_bf16": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
     "fp16": {"fp16": {"enabled": True, "initial_scale_power": FP16_INITIAL_SCALE_POWER}},
+    # Only in the communication tests: the reduce dtype's other settings.
+    "bf16_comm_bf16": {"bf16": {"enabled": True}, "communication_data_type": "bf16"},
+    "fp16_accum_fp16": {
+        "fp16": {"enabled": True, "initial_scale_power": FP16_INITIAL_SCALE_POWER},
+        "data_types": {"grad_accum_dtype": "fp16"},
+    },
     "autocast_bf16": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
 }
 
@@ -51,6 +57,9 @@ class Case:
             every step), "module" (the full module parameters, in their dtype, after every
             step), "grad0" (the full reduced gradients of the first step, read between its
             boundary backward and its `engine.step()`).
+        variant: a name for a case that differs from the plain one by its `extra` keys.
+
+    Stage 3 runs with stage3_param_persistence_threshold 0 unless `extra` sets it.
     """
 
     stage: int
@@ -64,10 +73,12 @@ class Case:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     style: str = "engine"
     keep: tuple[str, ...] = ("master", "module", "grad0")
+    variant: str = ""
 
     @property
     def label(self) -> str:
-        return f"stage{self.stage}-{self.mode}-b{self.micro}-k{self.ga}-{self.style}"
+        label = f"stage{self.stage}-{self.mode}-b{self.micro}-k{self.ga}-{self.style}"
+        return f"{label}-{self.variant}" if self.variant else label
 
 
 def engine_config(case: Case) -> dict[str, Any]:
@@ -80,8 +91,12 @@ def engine_config(case: Case) -> dict[str, Any]:
         "zero_optimization": {"stage": case.stage},
         "steps_per_print": 1000,
     }
+    if case.stage == 3:
+        # Shard every unit, as a large model's would be: the default threshold (100,000
+        # elements) would keep all of this tiny model's units resident, i.e. run stage 2.
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     for section, value in PRECISION_SECTIONS[case.mode].items():
-        config[section] = dict(value)
+        config[section] = dict(value) if isinstance(value, dict) else value
     for key, value in case.extra.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}
