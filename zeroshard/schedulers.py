@@ -153,7 +153,10 @@ class _Schedule:
         return {"last_batch_iteration": self.last_batch_iteration}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # As DeepSpeed, the optimizer's lrs are not rewritten here (a checkpoint restores them
+        # with the optimizer); get_last_lr() reports the lr of the restored iteration.
         self.last_batch_iteration = state["last_batch_iteration"]
+        self._last_lr = self.get_lr()
 
 
 class WarmupLR(_Schedule):

@@ -250,3 +250,21 @@ def test_build_scheduler_bad_values_name_the_key(params: dict, message: str) -> 
 def test_total_below_warmup_warns() -> None:
     with pytest.warns(UserWarning, match="total_num_steps=5 is less than warmup_num_steps=10"):
         WarmupCosineLR(sgd(0.1), total_num_steps=5, warmup_num_steps=10)
+
+
+def test_load_state_dict_reports_the_restored_iterations_lr():
+    import torch
+
+    from zeroshard.schedulers import WarmupDecayLR
+
+    def make():
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        return WarmupDecayLR(opt, total_num_steps=10, warmup_min_lr=0.0, warmup_max_lr=0.1,
+                             warmup_num_steps=4, warmup_type="linear")
+
+    trained = make()
+    for _ in range(6):
+        trained.step()
+    resumed = make()
+    resumed.load_state_dict(trained.state_dict())
+    assert resumed.get_last_lr() == trained.get_last_lr()
