@@ -134,10 +134,15 @@ class BackwardCoordinator:
             param.grad = None
             if grad is None:
                 return
+            if self.forward_depth > 0 and not self.in_backward:
+                # An autograd call inside forward (a tiled loss): accumulate only. Its
+                # gradient never crossed the loss scale, so scale it here as the rest will be.
+                scale = self._loss_scale()
+                flat.accumulate(index, grad if scale == 1.0 else grad * scale)
+                unit.has_local_grad = True
+                return
             flat.accumulate(index, grad)
             unit.has_local_grad = True
-            if self.forward_depth > 0 and not self.in_backward:
-                return  # an autograd call inside forward: accumulate only
             if not self.callback_queued:
                 # The loss did not come through the root module's outputs (e.g. the model
                 # was called piecewise): fall back to queuing from the first hook.

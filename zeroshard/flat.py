@@ -138,17 +138,18 @@ class FlatParamGroup:
         self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
-    def start_gather(self, tag: str = "param") -> None:
+    def start_gather(self, tag: str = "param", exact: bool = False) -> None:
         """Begin materialising the full buffer from every rank's `param_shard` (stage 3).
 
         Asynchronous: `finish_gather` (or `gather_full`) waits for it. Used to prefetch the
-        next unit while the current one computes.
+        next unit while the current one computes. The wire carries the plan's gather dtype,
+        or with `exact` the parameter dtype (for users reading parameters, not for compute).
         """
         if self.state is ShardState.UNSHARDED or self._pending_gather is not None:
             return
         assert self.param_shard is not None
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        wire_dtype = self.role.gather_dtype
+        wire_dtype = self.full.dtype if exact else self.role.gather_dtype
         if wire_dtype == self.full.dtype:
             wire = None
             work = comm.all_gather(self.full, self.param_shard.clone(), tag=tag, async_op=True)
@@ -168,11 +169,11 @@ class FlatParamGroup:
             self.full.copy_(wire)
         self.state = ShardState.UNSHARDED
 
-    def gather_full(self, tag: str = "param") -> None:
+    def gather_full(self, tag: str = "param", exact: bool = False) -> None:
         """Materialise the full buffer now (waiting for a prefetch already in flight)."""
         if self.state is ShardState.UNSHARDED:
             return
-        self.start_gather(tag)
+        self.start_gather(tag, exact)
         self.finish_gather()
 
     def _all_gather_into_full(self, shard: torch.Tensor, wire_dtype: torch.dtype, tag: str):
@@ -201,14 +202,15 @@ class FlatParamGroup:
 
     # -------------------------------------------------------------- gradients
     def local_grad_buffer(self) -> torch.Tensor:
-        """The full-size local gradient buffer, allocated (zeroed) on first use."""
+        """The full-size local gradient buffer in the accumulation dtype, allocated (zeroed)
+        on first use. At stages 2-3 it lives only until the unit is reduced, but it still
+        accumulates (no_sync micro-steps, several autograd phases), so it too is in the
+        accumulation dtype: summing in the gradient dtype would lose what fp32 accumulation
+        promises."""
         if self.local_grad is None:
-            dtype = (
-                self.role.grad_dtype
-                if self.policy.reduce_every_backward
-                else self.role.grad_accum_dtype
+            self.local_grad = torch.zeros(
+                self.padded_numel, dtype=self.role.grad_accum_dtype, device=self.device
             )
-            self.local_grad = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
         return self.local_grad
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:

@@ -42,24 +42,32 @@ def GatheredParameters(
     gathered_here = []
     for flat in ordered:
         if flat.param_shard is not None and flat.state.value == "sharded":
-            flat.gather_full(tag="gathered_parameters")
+            # Exactly, in the parameter dtype: the plan's gather dtype is for compute.
+            flat.gather_full(tag="gathered_parameters", exact=True)
             gathered_here.append(flat)
+    before = [flat.full.clone() for flat in ordered] if modifier_rank is not None else []
     try:
         yield
     finally:
         if modifier_rank is not None:
             with torch.no_grad():
-                for flat in ordered:
+                for flat, old in zip(ordered, before, strict=True):
                     comm.broadcast(flat.full, src=modifier_rank, tag="gathered_parameters")
-                    _write_back(flat)
+                    _write_back(flat, changed=flat.full.ne(old))
         for flat in gathered_here:
             flat.free_full()
 
 
-def _write_back(flat) -> None:
-    """Make the shard and the master agree with the (modified) full parameters."""
-    source = flat.full if not flat.policy.shard_optimizer else flat.shard_of(flat.full)
+def _write_back(flat, changed: torch.Tensor) -> None:
+    """Make the shard and the master agree with the full parameters, element by element
+    where the modifier changed them: an untouched element keeps its master value (a bf16
+    parameter must not round an fp32 master it did not change)."""
+    full = flat.full
     if flat.param_shard is not None:
-        flat.param_shard.copy_(flat.shard_of(flat.full))
-    if flat.master is not source and flat.master is not flat.param_shard:
-        flat.master.copy_(source)
+        shard_changed = flat.shard_of(changed)
+        flat.param_shard.copy_(torch.where(shard_changed, flat.shard_of(full), flat.param_shard))
+    source = full if not flat.policy.shard_optimizer else flat.shard_of(full)
+    if flat.master is source or flat.master is flat.param_shard or flat.role.master_is_param:
+        return  # the master is the parameter buffer itself: already written
+    mask = changed if not flat.policy.shard_optimizer else flat.shard_of(changed)
+    flat.master.copy_(torch.where(mask, source.to(flat.master.dtype), flat.master))
