@@ -64,11 +64,6 @@ def style_cases() -> list[Case]:
     for mode in MODES:
         for stage in STAGES:
             for style, ga in STYLE_GA:
-                if style == "tiled_loss" and mode == "fp16":
-                    # The tiled loss differentiates its chunks inside forward, before any loss
-                    # scale can reach them: fp16 scaling cannot apply to that part (as in
-                    # DeepSpeed's TiledFusedLogitsLoss); not a supported combination.
-                    continue
                 cases.append(Case(stage=stage, mode=mode, ga=ga, steps=STEPS, style=style, keep=("master", "grad0")))
     return cases
 
