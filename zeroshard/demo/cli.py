@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=DEFAULT_MODEL,
         choices=list(PRESETS),
-        help=f"model size (default {DEFAULT_MODEL})",
+        help=f"model size (default {DEFAULT_MODEL}); tiny, small and medium train on CPUs, the larger ones need GPUs",
     )
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: 2 on CPU, one per GPU with CUDA)")
     parser.add_argument("--run-dir", default="runs/demo", help="where results go (default runs/demo)")
