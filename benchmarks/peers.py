@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))  # the peers_* modules beside this file
 sys.path.insert(1, str(HERE.parent))  # zeroshard from the checkout when not installed
 
 MODES_DEFAULT = "fp32,bf16,autocast,fp16"
-ENGINES_DEFAULT = "floor,zeroshard,ddp,fsdp2,deepspeed"
+ENGINES_DEFAULT = "floor,floor-par,zeroshard,ddp,fsdp2,deepspeed"
 
 
 def _bool(text: str) -> bool:
@@ -189,6 +189,7 @@ def run_cell(args: argparse.Namespace, cell: dict[str, Any], out_dir: Path) -> N
             result["load_before"] = load_before
             result["load_after"] = os.getloadavg()[0]
             result["wall_s"] = time.time() - start
+            result["source"] = _source_version()
             cell["results"].append(result)
         else:
             cell["status"] = "failed"
@@ -289,9 +290,23 @@ def report(args: argparse.Namespace, name: str) -> int:
     (results_dir / f"{name}.md").write_text(f"{title}\n\n" + markdown_table(rows))
     write_chart(rows, results_dir / f"{name}.png", title)
     Console().print(f"results: {results_dir / name}.json, .md, .png; logs in {out_dir / 'logs'}")
-    failed = [c for c in cells if c["status"] == "failed" and c["engine"] in ("zeroshard", "floor")]
+    failed = [c for c in cells if c["status"] == "failed" and c["engine"] in ("zeroshard", "floor", "floor-par")]
     # A peer that fails is a finding for the table; zeroshard or the floor failing is a bug.
     return 1 if failed else 0
+
+
+def _source_version() -> dict[str, Any]:
+    """The checkout's commit and whether zeroshard/ had uncommitted changes when a run ended:
+    the tree is shared, and the engine may change between the runs of one sweep."""
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=HERE.parent, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "zeroshard_dirty": bool(git("status", "--porcelain", "--", "zeroshard"))}
 
 
 def _version(package: str) -> str | None:

@@ -26,13 +26,13 @@ from peers_measure import (
 from peers_workload import ADAMW_KWARGS, GRADIENT_CLIPPING, Workload, build_model
 from torch import nn
 
-ENGINES = ("floor", "zeroshard", "ddp", "fsdp2", "deepspeed")
+ENGINES = ("floor", "floor-par", "zeroshard", "ddp", "fsdp2", "deepspeed")
 _LOW = {"bf16": torch.bfloat16, "autocast": torch.bfloat16, "fp16": torch.float16}
 
 
 def unsupported(engine: str, mode: str) -> str | None:
     """Why `engine` is not run in `mode`, or None when it is."""
-    if mode == "fp16" and engine in ("floor", "ddp", "fsdp2"):
+    if mode == "fp16" and engine in ("floor", "floor-par", "ddp", "fsdp2"):
         return (
             "no fp16 recipe for torch peers here: fp16 parameters need fp32 masters and a loss "
             "scaler, which DDP/FSDP2 leave to the user (autocast + GradScaler is the autocast mode)"
@@ -104,7 +104,11 @@ class _TorchRunner:
 
 
 class FloorRunner(_TorchRunner):
-    """The compute floor: one rank's micro-batch on one process, no communication."""
+    """The compute floor: one rank's micro-batch on one process, no communication.
+
+    As "floor-par" the same runs in W processes at once, each on its own rank's micro-batch and
+    never talking to the others: the floor under the same CPU sharing as a W-rank run.
+    """
 
 
 class DDPRunner(_TorchRunner):
@@ -318,7 +322,7 @@ def _tensors_held_by(obj: Any, depth: int, _seen: set[int] | None = None) -> lis
 
 def make_runner(engine: str, workload: Workload, mode: str, stage: int | None, reshard: bool | None):
     """The runner for one (engine, mode, stage/reshard) cell of the benchmark."""
-    if engine == "floor":
+    if engine in ("floor", "floor-par"):
         return FloorRunner(workload, mode)
     if engine == "ddp":
         return DDPRunner(workload, mode)

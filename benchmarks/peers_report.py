@@ -43,12 +43,14 @@ def summarise(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for mode in {r["mode"] for r in rows}:
         in_mode = [r for r in rows if r["mode"] == mode and r["status"] == "ok"]
         floor = next((r for r in in_mode if r["engine"] == "floor"), None)
+        floor_par = next((r for r in in_mode if r["engine"] == "floor-par"), None)
         ddp = next((r for r in in_mode if r["engine"] == "ddp"), None)
         peers = [r for r in in_mode if r["engine"] in PEER_ENGINES]
         fastest = min(peers, key=lambda r: r["median_step_s"]) if peers else None
         for r in in_mode:
             t = r["median_step_s"]
             r["x_floor"] = t / floor["median_step_s"] if floor else None
+            r["x_floor_par"] = t / floor_par["median_step_s"] if floor_par else None
             r["x_ddp"] = t / ddp["median_step_s"] if ddp else None
             r["x_fastest_peer"] = t / fastest["median_step_s"] if fastest else None
             r["fastest_peer"] = fastest["label"] if fastest else None
@@ -103,7 +105,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
     table = Table(title=title)
     for col, justify in (
         ("mode", "left"), ("engine", "left"), ("step ms", "right"), ("tok/s", "right"),
-        ("x floor", "right"), ("x DDP", "right"), ("x fastest peer", "right"),
+        ("x floor", "right"), ("x floor-par", "right"), ("x DDP", "right"), ("x fastest peer", "right"),
         ("states MiB", "right"), ("live MiB", "right"), ("RSS MiB", "right"),
         ("comm MiB/step", "right"), ("loss", "right"),
     ):
@@ -114,7 +116,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
             continue
         table.add_row(
             r["mode"], r["label"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
-            _fmt_ratio(r["x_floor"]), _fmt_ratio(r["x_ddp"]), _fmt_ratio(r["x_fastest_peer"]),
+            *(_fmt_ratio(r[k]) for k in ("x_floor", "x_floor_par", "x_ddp", "x_fastest_peer")),
             f"{r['model_state_bytes'] / MIB:.2f}", f"{r['live_tensor_bytes'] / MIB:.2f}",
             f"{r['peak_rss_bytes'] / MIB:.0f}", f"{r['comm_total_bytes_per_step'] / MIB:.2f}",
             f"{r['final_loss']:.4f}",
@@ -125,19 +127,21 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The same table as Markdown, for docs/benchmarks.md."""
     head = (
-        "| mode | engine | step ms | tok/s | × floor | × DDP | × fastest peer | model states MiB/rank "
-        "| live tensors MiB | peak RSS MiB (Δ) | comm MiB/step | loss |\n"
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
+        "| mode | engine | step ms | tok/s | × floor | × floor-par | × DDP | × fastest peer "
+        "| model states MiB/rank | live tensors MiB | peak RSS MiB (Δ) | comm MiB/step | loss |\n"
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
     )
     lines = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['mode']} | {r['label']} | {r['status']}: {r['reason']} |||||||||||")
+            lines.append(f"| {r['mode']} | {r['label']} | {r['status']}: {r['reason']} ||||||||||||")
             continue
-        comm = f"{r['comm_total_bytes_per_step'] / MIB:.2f}" + ("" if r["engine"] in ("zeroshard", "floor") else "*")
+        theory = r["engine"] not in ("zeroshard", "floor", "floor-par")
+        comm = f"{r['comm_total_bytes_per_step'] / MIB:.2f}" + ("*" if theory else "")
         lines.append(
             f"| {r['mode']} | {r['label']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} "
-            f"| {_fmt_ratio(r['x_floor'])} | {_fmt_ratio(r['x_ddp'])} | {_fmt_ratio(r['x_fastest_peer'])} "
+            f"| {_fmt_ratio(r['x_floor'])} | {_fmt_ratio(r['x_floor_par'])} | {_fmt_ratio(r['x_ddp'])} "
+            f"| {_fmt_ratio(r['x_fastest_peer'])} "
             f"| {r['model_state_bytes'] / MIB:.2f} | {r['live_tensor_bytes'] / MIB:.2f} "
             f"| {r['peak_rss_bytes'] / MIB:.0f} ({r['rss_over_baseline_bytes'] / MIB:.0f}) "
             f"| {comm} | {r['final_loss']:.4f} |"
@@ -157,7 +161,7 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     if not modes:
         return
     fig, axes = plt.subplots(len(modes), 2, figsize=(11, 2.6 * len(modes) + 0.6), squeeze=False)
-    colors = {"floor": "#888888", "zeroshard": "#1f77b4", "ddp": "#2ca02c", "fsdp2": "#ff7f0e",
+    colors = {"floor": "#888888", "floor-par": "#bbbbbb", "zeroshard": "#1f77b4", "ddp": "#2ca02c", "fsdp2": "#ff7f0e",
               "deepspeed": "#9467bd"}
     for i, mode in enumerate(modes):
         ok = [r for r in rows if r["mode"] == mode and r["status"] == "ok"]
@@ -168,7 +172,10 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         floor = next((r for r in ok if r["engine"] == "floor"), None)
         if floor:
             ax_t.axvline(floor["median_step_s"] * 1e3, color="#444444", linestyle="--", linewidth=1)
-        ax_t.set_title(f"{mode}: median step time (ms; dashed = floor)", fontsize=9)
+        floor_par = next((r for r in ok if r["engine"] == "floor-par"), None)
+        if floor_par:
+            ax_t.axvline(floor_par["median_step_s"] * 1e3, color="#444444", linestyle=":", linewidth=1)
+        ax_t.set_title(f"{mode}: median step time (ms; floor dashed, floor-par dotted)", fontsize=9)
         ax_m.barh(names, [r["model_state_bytes"] / MIB for r in ok], color=color)
         ax_m.set_title(f"{mode}: model states per rank (MiB)", fontsize=9)
         for ax in (ax_t, ax_m):

@@ -2,7 +2,8 @@
 
 Every rank trains `warmup + steps` steps on its own windows of the shared text. Before each
 step the ranks meet at a barrier (not timed), so a step's time is the slowest rank's time for
-the same work. Rank 0 writes one JSON object with the medians, memory per rank, communication
+the same work (floor-par's independent processes skip the barrier; their step i is still
+taken as the slowest rank's step i). Rank 0 writes one JSON object with the medians, memory per rank, communication
 per step and the loss curve (the global mean loss of every step).
 """
 
@@ -36,6 +37,8 @@ def _import_engine(engine: str) -> None:
 def run(args: Any) -> dict[str, Any] | None:
     """Train and measure; rank 0 returns the result (other ranks None)."""
     distributed = args.engine != "floor"
+    # floor-par: W processes that train independently; the process group only collects results.
+    lockstep = args.engine != "floor-par"
     if distributed:
         dist.init_process_group("gloo")
     world = dist.get_world_size() if distributed else args.world_size
@@ -59,7 +62,7 @@ def run(args: Any) -> dict[str, Any] | None:
             if step == workload.warmup and log is not None:
                 log.records.clear()  # warm-up collectives (the init broadcasts) are not a step's
             x, y = batches.batch(step, rank)
-            if distributed:
+            if distributed and lockstep:
                 dist.barrier()
             t0 = time.perf_counter()
             loss, phases = runner.train_step(x, y)
@@ -86,7 +89,7 @@ def run(args: Any) -> dict[str, Any] | None:
         held.update(by_role=dict(counter.by_role), total=counter.total, live=live_tensor_bytes())
 
     x, y = batches.batch(workload.total_steps - 1, rank)
-    if distributed:
+    if distributed and lockstep:
         dist.barrier()
     runner.train_step(x, y, after_backward=count_held)
     mine = {
