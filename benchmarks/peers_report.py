@@ -48,6 +48,8 @@ def summarise(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         peers = [r for r in in_mode if r["engine"] in PEER_ENGINES]
         fastest = min(peers, key=lambda r: r["median_step_s"]) if peers else None
         for r in in_mode:
+            cpu, floor_cpu = r.get("median_cpu_s"), floor.get("median_cpu_s") if floor else None
+            r["cpu_x_floor"] = cpu / floor_cpu if cpu and floor_cpu else None
             t = r["median_step_s"]
             r["x_floor"] = t / floor["median_step_s"] if floor else None
             r["x_floor_par"] = t / floor_par["median_step_s"] if floor_par else None
@@ -69,6 +71,9 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
         "repeats": len(results),
         "median_step_s": med("median_step_s"),
         "step_s_per_repeat": [r["median_step_s"] for r in results],
+        # Older runs have no CPU time: the median of those that do.
+        "median_cpu_s": statistics.median(cpu) if (cpu := [r["median_cpu_s"] for r in results
+                                                              if "median_cpu_s" in r]) else None,
         "tokens_per_s": med("tokens_per_s"),
         "phase_median_s": {
             k: statistics.median(r["rank0_phase_median_s"][k] for r in results)
@@ -93,6 +98,10 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _fmt_ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
 def _fmt_ratio(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 
@@ -104,7 +113,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
 
     table = Table(title=title)
     for col, justify in (
-        ("mode", "left"), ("engine", "left"), ("step ms", "right"), ("tok/s", "right"),
+        ("mode", "left"), ("engine", "left"), ("step ms", "right"), ("CPU ms", "right"), ("tok/s", "right"),
         ("x floor", "right"), ("x floor-par", "right"), ("x DDP", "right"), ("x fastest peer", "right"),
         ("states MiB", "right"), ("live MiB", "right"), ("RSS MiB", "right"),
         ("comm MiB/step", "right"), ("loss", "right"),
@@ -115,7 +124,8 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
             table.add_row(r["mode"], r["label"], f"[dim]{r['status']}: {r['reason'][:60]}[/dim]")
             continue
         table.add_row(
-            r["mode"], r["label"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
+            r["mode"], r["label"], f"{r['median_step_s'] * 1e3:.1f}", _fmt_ms(r.get("median_cpu_s")),
+            f"{r['tokens_per_s']:.0f}",
             *(_fmt_ratio(r[k]) for k in ("x_floor", "x_floor_par", "x_ddp", "x_fastest_peer")),
             f"{r['model_state_bytes'] / MIB:.2f}", f"{r['live_tensor_bytes'] / MIB:.2f}",
             f"{r['peak_rss_bytes'] / MIB:.0f}", f"{r['comm_total_bytes_per_step'] / MIB:.2f}",
@@ -127,21 +137,24 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The same table as Markdown, for docs/benchmarks.md."""
     head = (
-        "| mode | engine | step ms | tok/s | × floor | × floor-par | × DDP | × fastest peer "
-        "| model states MiB/rank | live tensors MiB | peak RSS MiB (Δ) | comm MiB/step | loss |\n"
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
+        "| mode | engine | step ms | × floor | × floor-par | × DDP | × fastest peer | CPU ms (× floor) "
+        "| tok/s | model states MiB/rank | live tensors MiB | peak RSS MiB (Δ) | comm MiB/step | loss |\n"
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
     )
     lines = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['mode']} | {r['label']} | {r['status']}: {r['reason']} ||||||||||||")
+            lines.append(f"| {r['mode']} | {r['label']} | {r['status']}: {r['reason']} |||||||||||||")
             continue
         theory = r["engine"] not in ("zeroshard", "floor", "floor-par")
+        cpu = _fmt_ms(r.get("median_cpu_s"))
+        if r.get("cpu_x_floor"):
+            cpu += f" ({r['cpu_x_floor']:.2f})"
         comm = f"{r['comm_total_bytes_per_step'] / MIB:.2f}" + ("*" if theory else "")
         lines.append(
-            f"| {r['mode']} | {r['label']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} "
+            f"| {r['mode']} | {r['label']} | {r['median_step_s'] * 1e3:.1f} "
             f"| {_fmt_ratio(r['x_floor'])} | {_fmt_ratio(r['x_floor_par'])} | {_fmt_ratio(r['x_ddp'])} "
-            f"| {_fmt_ratio(r['x_fastest_peer'])} "
+            f"| {_fmt_ratio(r['x_fastest_peer'])} | {cpu} | {r['tokens_per_s']:.0f} "
             f"| {r['model_state_bytes'] / MIB:.2f} | {r['live_tensor_bytes'] / MIB:.2f} "
             f"| {r['peak_rss_bytes'] / MIB:.0f} ({r['rss_over_baseline_bytes'] / MIB:.0f}) "
             f"| {comm} | {r['final_loss']:.4f} |"

@@ -50,6 +50,7 @@ def run(args: Any) -> dict[str, Any] | None:
     runner = make_runner(args.engine, workload, args.mode, args.stage, args.reshard)
     batches = BatchPlan(workload)
     step_times: list[float] = []
+    cpu_times: list[float] = []
     phase_times: list[list[float]] = []
     losses: list[torch.Tensor] = []
     profiler = None
@@ -64,12 +65,13 @@ def run(args: Any) -> dict[str, Any] | None:
             x, y = batches.batch(step, rank)
             if distributed and lockstep:
                 dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss, phases = runner.train_step(x, y)
-            elapsed = time.perf_counter() - t0
+            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
             losses.append(loss.float())
             if timed:
                 step_times.append(elapsed)
+                cpu_times.append(cpu)
                 phase_times.append(phases)
             if profiler is not None and step == workload.warmup + _PROFILED_STEPS - 1:
                 profiler.__exit__(None, None, None)
@@ -95,6 +97,7 @@ def run(args: Any) -> dict[str, Any] | None:
     mine = {
         "rank": rank,
         "step_times": step_times,
+        "cpu_times": cpu_times,
         "phase_times": phase_times,
         "model_states": held["by_role"],
         "model_state_bytes": held["total"],
@@ -120,6 +123,9 @@ def run(args: Any) -> dict[str, Any] | None:
     # A step takes as long as its slowest rank.
     slowest = [max(r["step_times"][i] for r in per_rank) for i in range(workload.steps)]
     phases = [statistics.median(p[i] for p in per_rank[0]["phase_times"]) for i in range(3)]
+    # CPU seconds the process used per step (all its threads, gloo's included): unlike wall
+    # time, it barely moves when other work shares the cores.
+    cpu_per_step = [max(r["cpu_times"][i] for r in per_rank) for i in range(workload.steps)]
     median = statistics.median(slowest)
     return {
         "engine": args.engine,
@@ -140,6 +146,8 @@ def run(args: Any) -> dict[str, Any] | None:
         "omp_num_threads": torch.get_num_threads(),
         "median_step_s": median,
         "step_times_s": slowest,
+        "median_cpu_s": statistics.median(cpu_per_step),
+        "cpu_times_s": cpu_per_step,
         "rank0_phase_median_s": dict(zip(("forward", "backward", "step"), phases, strict=True)),
         "tokens_per_s": workload.tokens_per_step / median,
         "comm_bytes_per_step": comm_by_op,
@@ -148,7 +156,9 @@ def run(args: Any) -> dict[str, Any] | None:
         "comm_source": comm_source,
         "loss_curve": loss_curve.tolist(),
         "final_loss": float(loss_curve[-1]),
-        "per_rank": [{k: v for k, v in r.items() if k not in ("step_times", "phase_times")} for r in per_rank],
+        "per_rank": [
+            {k: v for k, v in r.items() if k not in ("step_times", "cpu_times", "phase_times")} for r in per_rank
+        ],
         **extra,
     }
 
