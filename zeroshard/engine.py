@@ -489,15 +489,7 @@ class Engine:
     def _clear_grads(self) -> None:
         for flat in self.flats:
             flat.master.grad = None
-            if flat.reduced_grad is not None:
-                if flat.local_grad is None and not self.policy.reduce_every_backward \
-                        and flat.reduced_grad.dtype == flat.role.grad_accum_dtype \
-                        and not self.policy.scatter:
-                    # Stage 0 reduced in place: hand the buffer back as the local one.
-                    flat.local_grad = flat.reduced_grad.zero_()
-                    flat.reduced_grad = None
-                else:
-                    flat.reduced_grad.zero_()
+            flat.clear_reduced()
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (local and reduced)."""
@@ -505,8 +497,7 @@ class Engine:
             flat.master.grad = None
             if flat.local_grad is not None:
                 flat.release_local_grad()
-            if flat.reduced_grad is not None:
-                flat.reduced_grad.zero_()
+            flat.clear_reduced()
         for unit in self.units:
             unit.has_local_grad = False
         self._needs_flush = False

@@ -91,6 +91,8 @@ class FlatParamGroup:
         self.master = self._make_master()
         self.local_grad: torch.Tensor | None = None
         self.reduced_grad: torch.Tensor | None = None
+        # The full local buffer `reduced_grad` lives in, when a reduction ran in place.
+        self._reduced_in_local: torch.Tensor | None = None
         if not policy.keep_full_params:
             self.free_full()
 
@@ -224,6 +226,26 @@ class FlatParamGroup:
                 length, dtype=self.role.grad_accum_dtype, device=self.device
             )
         return self.reduced_grad
+
+    def adopt_local_as_reduced(self) -> None:
+        """An in-place reduction: the local buffer (or its shard) becomes the reduced gradient,
+        so stages 0 and 1 keep one full gradient buffer, not a second for the result."""
+        base = self.local_grad
+        assert base is not None and self.reduced_grad is None
+        self.reduced_grad = self.shard_of(base) if self.policy.scatter else base
+        self._reduced_in_local = base
+        self.local_grad = None
+
+    def clear_reduced(self) -> None:
+        """After a step (or zero_grad): zero the reduced gradient; a buffer that was the local
+        one becomes the local one again."""
+        if self._reduced_in_local is not None:
+            base, self._reduced_in_local, self.reduced_grad = self._reduced_in_local, None, None
+            base.zero_()
+            if self.local_grad is None:
+                self.local_grad = base
+        elif self.reduced_grad is not None:
+            self.reduced_grad.zero_()
 
     def release_local_grad(self) -> None:
         """After a reduction: zero the persistent buffer (stages 0-1) or free it (2-3)."""

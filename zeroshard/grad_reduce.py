@@ -72,8 +72,7 @@ def _all_reduce(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket:
             works.append(comm.all_reduce(wire, tag="grad", async_op=True))
             completions.append(lambda chunk=chunk, wire=wire: chunk.copy_(wire))
     if in_place:
-        flat.reduced_grad = local  # filled in by the collectives; read only after finish()
-        flat.local_grad = None
+        flat.adopt_local_as_reduced()  # filled in by the collectives; read only after finish()
 
         def done() -> None:
             pass
@@ -94,7 +93,14 @@ def _reduce_scatter(flat: FlatParamGroup, local: torch.Tensor, divisor: int, buc
     # is the part of rank r's shard the bucket covers, so the reduce-scatter's r-th chunk
     # lands in rank r's shard.
     by_rank = local.view(ws, shard_numel)
-    reduced = flat.reduced_grad_buffer()
+    # Stage 1 with nothing reduced yet: the result goes straight into this rank's own slice
+    # of the (persistent, full) local buffer, which then holds the reduced shard. Safe: each
+    # bucket's input is copied out before its output can land, and buckets are disjoint.
+    in_place = (
+        flat.reduced_grad is None and local.dtype == acc_dtype and wire_dtype == acc_dtype
+        and not flat.policy.reduce_every_backward
+    )
+    reduced = flat.shard_of(local) if in_place else flat.reduced_grad_buffer()
     works, completions = [], []
     cols = max(1, bucket // ws)
     for c0 in range(0, shard_numel, cols):
@@ -102,11 +108,19 @@ def _reduce_scatter(flat: FlatParamGroup, local: torch.Tensor, divisor: int, buc
         block = torch.div(by_rank[:, c0:c1].to(acc_dtype), divisor)  # a contiguous copy
         if wire_dtype != acc_dtype:
             block = block.to(wire_dtype)
+        if in_place:
+            out = reduced.narrow(0, c0, c1 - c0)
+            works.append(comm.reduce_scatter(out, block, tag="grad", async_op=True))
+            completions.append(lambda block=block: None)  # keeps `block` alive until finish()
+            continue
         out = torch.empty(c1 - c0, dtype=wire_dtype, device=local.device)
         works.append(comm.reduce_scatter(out, block, tag="grad", async_op=True))
         # `block` must outlive the collective: the closure keeps it alive until finish().
         completions.append(
             lambda c0=c0, c1=c1, out=out, block=block: reduced.narrow(0, c0, c1 - c0).add_(out)
         )
-    flat.release_local_grad()  # every bucket was copied out above
+    if in_place:
+        flat.adopt_local_as_reduced()
+    else:
+        flat.release_local_grad()  # every bucket was copied out above
     return PendingReduction(works, completions, lambda: None)
