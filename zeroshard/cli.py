@@ -1,4 +1,4 @@
-"""The `zeroshard` command: explain (here), demo (zeroshard.demo.cli), to-fp32 (zeroshard.checkpoint), launch (later).
+"""The `zeroshard` command: explain (here), demo, to-fp32 (zeroshard.checkpoint), launch (zeroshard.launch).
 
 `zeroshard explain CONFIG` prints what a config resolves to: the precision of every tensor role
 per parameter group, the defaults it applied, the keys accepted with no effect, and the per-rank
@@ -354,7 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     to_fp32.add_argument("output", metavar="OUT", help="output file (.safetensors; another suffix: torch.save)")
     to_fp32.add_argument("--tag", help="which checkpoint (default: the one 'latest' names)")
     to_fp32.set_defaults(handler=_run_to_fp32)
-    # `launch` is a planned subcommand (DESIGN section 1).
+    sub.add_parser(
+        "launch",
+        help="run a training script with torchrun (see `zeroshard launch --help`)",
+        add_help=False,
+    )
     return parser
 
 
@@ -382,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "demo":
         # Everything after `demo` belongs to the demo's own parser (its --help included).
         return _run_demo(argv[1:])
+    if argv and argv[0] == "launch":
+        from zeroshard.launch import main as launch_main
+
+        return launch_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.handler(args)
 
