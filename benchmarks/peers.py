@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the table, Markdown and chart of --name from its saved runs")
     p.add_argument("--merge", default="",
-                   help="comma list of earlier results names whose runs count as repeats of this one")
+                   help="comma list of earlier results names whose runs count as repeats of this one; "
+                        "NAME:fp32+bf16 takes only those modes (cells this sweep lacks are added)")
     # Worker (one run; set by the orchestrator).
     p.add_argument("--engine", default=None, help="run one engine (worker mode, under torchrun)")
     p.add_argument("--mode", default="fp32")
@@ -273,14 +274,19 @@ def report(args: argparse.Namespace, name: str) -> int:
     out_dir = results_dir / name
     cells = json.loads((out_dir / "cells.json").read_text())
     meta = json.loads((out_dir / "meta.json").read_text()) if (out_dir / "meta.json").exists() else {}
-    for other in [m for m in args.merge.split(",") if m]:
+    for spec in [m for m in args.merge.split(",") if m]:
+        other, _, modes = spec.partition(":")
         earlier = json.loads((results_dir / other / "cells.json").read_text())
-        by_key = {(c["mode"], c["label"]): c for c in earlier}
-        for cell in cells:
-            match = by_key.get((cell["mode"], cell["label"]))
-            if match:
+        if modes:
+            earlier = [c for c in earlier if c["mode"] in modes.split("+")]
+        mine = {(c["mode"], c["label"]): c for c in cells}
+        for match in earlier:
+            cell = mine.get((match["mode"], match["label"]))
+            if cell is None:
+                cells.append(match)
+            else:
                 cell["results"] = match["results"] + cell["results"]
-        meta.setdefault("merged", []).append(other)
+        meta.setdefault("merged", []).append(spec)
     rows = summarise(cells)
     title = (f"{meta.get('model', args.model)}, W={meta.get('world_size', args.world_size)}, "
              f"{meta.get('steps', args.steps)} steps, global batch {meta.get('global_batch', args.global_batch)}, "
