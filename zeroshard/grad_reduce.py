@@ -97,8 +97,7 @@ def _reduce_scatter(flat: FlatParamGroup, local: torch.Tensor, divisor: int, buc
     # of the (persistent, full) local buffer, which then holds the reduced shard. Safe: each
     # bucket's input is copied out before its output can land, and buckets are disjoint.
     in_place = (
-        flat.reduced_grad is None and local.dtype == acc_dtype and wire_dtype == acc_dtype
-        and not flat.policy.reduce_every_backward
+        flat.reduced_grad is None and local.dtype == acc_dtype and not flat.policy.reduce_every_backward
     )
     reduced = flat.shard_of(local) if in_place else flat.reduced_grad_buffer()
     works, completions = [], []
@@ -108,10 +107,17 @@ def _reduce_scatter(flat: FlatParamGroup, local: torch.Tensor, divisor: int, buc
         block = torch.div(by_rank[:, c0:c1].to(acc_dtype), divisor)  # a contiguous copy
         if wire_dtype != acc_dtype:
             block = block.to(wire_dtype)
-        if in_place:
+        if in_place and wire_dtype == acc_dtype:
             out = reduced.narrow(0, c0, c1 - c0)
             works.append(comm.reduce_scatter(out, block, tag="grad", async_op=True))
             completions.append(lambda block=block: None)  # keeps `block` alive until finish()
+            continue
+        if in_place:  # a narrower wire dtype: land the result, then widen it into place
+            out = torch.empty(c1 - c0, dtype=wire_dtype, device=local.device)
+            works.append(comm.reduce_scatter(out, block, tag="grad", async_op=True))
+            completions.append(
+                lambda c0=c0, c1=c1, out=out, block=block: reduced.narrow(0, c0, c1 - c0).copy_(out)
+            )
             continue
         out = torch.empty(c1 - c0, dtype=wire_dtype, device=local.device)
         works.append(comm.reduce_scatter(out, block, tag="grad", async_op=True))
