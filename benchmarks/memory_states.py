@@ -67,6 +67,8 @@ def worker(args) -> None:
     }
     if args.mode == "bf16":
         config["bf16"] = {"enabled": True}
+    if args.mode == "autocast":
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     if args.mode == "bf16-bf16acc":
         config["bf16"] = {"enabled": True}
         config["data_types"] = {"grad_accum_dtype": "bf16"}
