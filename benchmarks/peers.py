@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="AdamW for every engine (default), or Muon for zeroshard (peers then not run)")
     # Orchestrator only.
     p.add_argument("--modes", default=MODES_DEFAULT, help=f"comma list (default {MODES_DEFAULT})")
     p.add_argument("--engines", default=ENGINES_DEFAULT, help=f"comma list (default {ENGINES_DEFAULT})")
@@ -114,6 +116,8 @@ def plan_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
                 settings = [(None, True), (None, False)]
             for stage, reshard in settings:
                 reason = unsupported(engine, mode) or (deepspeed_missing if engine == "deepspeed" else None)
+                if not reason and args.optimizer == "muon" and engine != "zeroshard":
+                    reason = "Muon is zeroshard's optimizer here; this peer runs AdamW only"
                 cells.append({
                     "label": label(engine, stage, reshard), "engine": engine, "mode": mode,
                     "stage": stage, "reshard": reshard, "status": "not run" if reason else "pending",
@@ -132,7 +136,7 @@ def _command(args: argparse.Namespace, cell: dict[str, Any], result_file: Path, 
     cmd = launch + [
         "--engine", cell["engine"], "--mode", cell["mode"], "--model", args.model,
         "--world-size", str(args.world_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-        "--global-batch", str(args.global_batch), "--seed", str(args.seed),
+        "--global-batch", str(args.global_batch), "--seed", str(args.seed), "--optimizer", args.optimizer,
         "--result-file", str(result_file),
     ]
     if cell["stage"] is not None:

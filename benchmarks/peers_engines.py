@@ -168,6 +168,10 @@ def _engine_config(workload: Workload, mode: str, stage: int) -> dict[str, Any]:
         "steps_per_print": 1_000_000,
         "seed": workload.seed,
     }
+    if workload.optimizer == "muon":
+        cfg["optimizer"] = {"type": "Muon", "params": {
+            "muon_lr": 0.02, "adam_lr": ADAMW_KWARGS["lr"], "betas": list(ADAMW_KWARGS["betas"]),
+            "weight_decay": ADAMW_KWARGS["weight_decay"]}}
     if mode == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif mode == "fp16":

@@ -43,7 +43,8 @@ def run(args: Any) -> dict[str, Any] | None:
         dist.init_process_group("gloo")
     world = dist.get_world_size() if distributed else args.world_size
     rank = dist.get_rank() if distributed else 0
-    workload = Workload(args.model, world, args.global_batch, args.steps, args.warmup, args.seed)
+    workload = Workload(args.model, world, args.global_batch, args.steps, args.warmup, args.seed,
+                        getattr(args, "optimizer", "adamw"))
     _import_engine(args.engine)
     baseline_rss = current_rss_bytes()
 

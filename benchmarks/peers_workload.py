@@ -48,6 +48,8 @@ class Workload:
         steps: optimizer steps timed and reported (after `warmup`).
         warmup: steps run first and left out of the timing.
         seed: seeds the model init, the text and the batch order.
+        optimizer: "adamw" (every engine) or "muon" (zeroshard only; AdamW for the rest of its
+            parameters, as Muon does).
     """
 
     preset: str
@@ -56,6 +58,7 @@ class Workload:
     steps: int
     warmup: int
     seed: int = 1234
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
