@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,7 +86,7 @@ class Engine:
         self.policy = stage_policy(config.zero_optimization.stage)
         self.world_size = comm.world_size()
         self.global_rank = comm.rank()
-        self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -182,8 +183,7 @@ class Engine:
         self._param_index = {
             id(p): (flat, i) for unit in units for flat in unit.flats for i, p in enumerate(flat.params)
         }
-        for index_key in list(self._param_index):
-            flat, i = self._param_index[index_key]
+        for flat, i in self._param_index.values():
             full_tensors.register(self, flat.params[i])
         return units
 
