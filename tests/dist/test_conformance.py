@@ -38,7 +38,7 @@ from tests.dist.scenarios.conformance import (
 
 STAGES = (0, 1, 2, 3)
 GRAD_ACCUM = (1, 4)
-WORLD_SIZES = (2, 3)
+WORLD_SIZES = (1, 2, 3)  # 1: the single-process path (no process group collectives)
 MATRIX_TIMEOUT_S = 600
 PARAM_DTYPE = {
     "fp32": torch.float32,
