@@ -65,6 +65,8 @@ def main() -> None:
             if engine.global_steps >= args.steps:
                 break
         epoch += 1
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -32,3 +33,12 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     kwargs = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group(backend=backend, **kwargs)
+    # A process that exits with the group alive can abort in the backend's threads at
+    # interpreter shutdown ("terminate called without an active exception"); the group
+    # this function created is torn down at exit unless the user already did it.
+    atexit.register(_destroy_if_initialized)
+
+
+def _destroy_if_initialized() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
