@@ -181,6 +181,21 @@ def _engine_config(workload: Workload, mode: str, stage: int) -> dict[str, Any]:
     return cfg
 
 
+def deepspeed_style_step(engine: Any, x: torch.Tensor, y: torch.Tensor, after_backward=None):
+    """One step of the DeepSpeed loop (zeroshard and DeepSpeed run the very same code), timed
+    as forward / backward / step."""
+    t0 = time.perf_counter()
+    _, loss = engine(x, y)
+    t1 = time.perf_counter()
+    engine.backward(loss)
+    t2 = time.perf_counter()
+    if after_backward is not None:
+        after_backward()
+    engine.step()
+    t3 = time.perf_counter()
+    return loss.detach(), [t1 - t0, t2 - t1, t3 - t2]
+
+
 class ZeroshardRunner:
     """zeroshard at one stage, configured from a DeepSpeed-format dict."""
 
@@ -195,16 +210,7 @@ class ZeroshardRunner:
         )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, after_backward=None) -> tuple[torch.Tensor, list[float]]:
-        t0 = time.perf_counter()
-        _, loss = self.engine(x, y)
-        t1 = time.perf_counter()
-        self.engine.backward(loss)
-        t2 = time.perf_counter()
-        if after_backward is not None:
-            after_backward()
-        self.engine.step()
-        t3 = time.perf_counter()
-        return loss.detach(), [t1 - t0, t2 - t1, t3 - t2]
+        return deepspeed_style_step(self.engine, x, y, after_backward)
 
     def model_states(self) -> StorageCounter:
         counter = StorageCounter()
@@ -265,16 +271,7 @@ class DeepSpeedRunner:
         )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, after_backward=None) -> tuple[torch.Tensor, list[float]]:
-        t0 = time.perf_counter()
-        _, loss = self.engine(x, y)
-        t1 = time.perf_counter()
-        self.engine.backward(loss)
-        t2 = time.perf_counter()
-        if after_backward is not None:
-            after_backward()
-        self.engine.step()
-        t3 = time.perf_counter()
-        return loss.detach(), [t1 - t0, t2 - t1, t3 - t2]
+        return deepspeed_style_step(self.engine, x, y, after_backward)
 
     def model_states(self) -> StorageCounter:
         counter = StorageCounter()
