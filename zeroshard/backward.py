@@ -61,7 +61,8 @@ class BackwardCoordinator:
 
     Args:
         units: the engine's units, root first.
-        reduce_unit: reduces one unit's local gradients (a collective).
+        reduce_unit: queues one unit's local gradients for reduction (a full bucket is
+            reduced at once: a collective).
         on_unit_done: called after a unit has been reduced during a backward (stage 3
             frees its parameters there).
         end_of_backward: the engine's epilogue, called once per backward with the units
@@ -69,7 +70,7 @@ class BackwardCoordinator:
             backward and those that received gradients after their reduction.
         loss_scale: returns the current loss scale (1.0 when not scaling).
         reduces_now: whether this backward reduces gradients at all (then complete units
-            are reduced during it, overlapping the rest of the backward).
+            are queued during it, and full buckets reduced while the backward goes on).
     """
 
     def __init__(

@@ -24,7 +24,7 @@ from .autocast import forward_context
 from .backward import BackwardCoordinator, wrap_outputs
 from .config import ZeroshardConfig
 from .flat import FlatParamGroup
-from .grad_reduce import start_reduce
+from .grad_reduce import GradientReducer
 from .loss_scale import make_loss_scaler
 from .optim import build_optimizer, muon, repoint_optimizer
 from .precision import PrecisionPlan, assign_param_groups
@@ -100,7 +100,6 @@ class Engine:
         self._global_grad_norm: float | None = None
         self._post_clip_grad_norm: float | None = None
         self._needs_flush = False  # local gradients a backward left unreduced
-        self._pending_reductions: list = []  # started, not yet finished (see grad_reduce)
 
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
         if muon.is_muon_requested(optimizer, config.optimizer):
@@ -110,6 +109,11 @@ class Engine:
         self._cast_module(model)
         self.units = self._build_units(model, group_of)
         self.flats = [f for unit in self.units for f in unit.flats]
+        self._reducer = GradientReducer(
+            self.flats,
+            divisor=lambda: self.world_size * self.config.gradient_accumulation_steps,
+            bucket_numel=config.zero_optimization.reduce_bucket_size,
+        )
 
         masters_by_group: list[list[torch.Tensor]] = [[] for _ in hyper]
         for flat in self.flats:
@@ -357,17 +361,14 @@ class Engine:
         return loss
 
     def _reduce_unit(self, unit: Unit) -> None:
-        """Start reducing a unit's local gradients; `_finish_reductions` completes them."""
-        divisor = self.world_size * self.config.gradient_accumulation_steps
-        bucket = self.config.zero_optimization.reduce_bucket_size
+        """Queue a unit's local gradients for reduction (a full bucket is reduced at once,
+        asynchronously); `_finish_reductions` completes them."""
         for flat in unit.flats:
-            self._pending_reductions.append(start_reduce(flat, divisor, bucket))
+            self._reducer.add(flat)
         unit.has_local_grad = False
 
     def _finish_reductions(self) -> None:
-        pending, self._pending_reductions = self._pending_reductions, []
-        for reduction in pending:
-            reduction.finish()
+        self._reducer.finish()
 
     def _after_unit_backward(self, unit: Unit) -> None:
         if not self.policy.keep_full_params and unit is not self.units[0]:

@@ -1,20 +1,40 @@
-"""Bucketed reduction of a flat buffer's local gradient across ranks.
+"""Bucketed reduction of local gradients across ranks: one collective per bucket.
 
-The one reduction every stage uses: divide the local gradient by world_size x k (DESIGN
-section 4's gradient semantics), cast it to the wire dtype one bucket at a time, reduce
-(all-reduce at stage 0, reduce-scatter at stages 1-3), and add the result into the flat's
-reduced gradient in the accumulation dtype. Upcasting for a wider wire dtype happens one
-bucket at a time, so the extra memory is bounded by `reduce_bucket_size`, never by the
-model size.
+The one reduction every stage uses. Each flat buffer's local gradient is divided by
+world_size x k (DESIGN section 4's gradient semantics), copied into a bucket in the wire
+dtype, and when the bucket is full (`reduce_bucket_size` elements, as in DeepSpeed) or the
+backward ends, the whole bucket is reduced by one collective: an all-reduce at stage 0, a
+reduce-scatter at stages 1-3. The results are then written (in the accumulation dtype) into
+each flat's reduced gradient.
 
-A reduction is started (the collectives are issued asynchronously, so they overlap the rest
-of the backward) and finished later (`PendingReduction.finish`); the engine finishes every
-pending reduction before the backward returns.
+[Note: why buckets span units]
+A unit is often small (one transformer block); one collective per unit pays the
+collective's fixed cost once per unit. On gloo, seven asynchronous all-reduces of 1/7 of a
+1.24 M-element buffer took 2.1x as long as one all-reduce of the whole buffer
+(benchmarks/collectives.py). Filling a bucket across units, in the fixed reduce order, keeps
+the count of collectives at ceil(gradient elements / reduce_bucket_size) per backward.
+
+Memory stays bounded by the bucket, not by the model: a flat's gradient is copied into the
+bucket when its unit is ready, after which stages 2-3 free the flat's local buffer at once;
+the bucket itself holds at most `reduce_bucket_size` elements (fewer when less remains to be
+reduced). Stages 0-1 keep their full local buffer and receive the result back into it (it
+becomes the reduced gradient, or at stage 1 its own shard does), so they hold one full
+gradient buffer, as before.
+
+[Note: bucket layout]
+With W ranks, a flat's local gradient is viewed as a (W, padded / W) matrix (row r is rank
+r's shard). A bucket is a (W, C) matrix whose column blocks are pieces of flats, so a
+reduce-scatter of the bucket (rank-major, i.e. row by row) leaves rank r the r-th row:
+exactly its shard of every piece. Stage 0's all-reduce uses the same layout although any
+would do: each element then sits at the same place in the same-sized buffer at every stage,
+so a backend whose summation order depends on the position (gloo's ring on 3+ ranks) sums
+it in the same order, and stages stay bitwise equal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,111 +42,156 @@ from . import comm
 from .flat import FlatParamGroup
 
 
-class PendingReduction:
-    """Collectives in flight for one flat buffer, and what to do when they complete."""
+@dataclass
+class _Piece:
+    """Columns [c0, c1) of one flat's (rows, columns) view, at `offset` in its bucket."""
 
-    def __init__(self, works: list, on_complete: list[Callable[[], None]], done: Callable[[], None]):
-        self._works = works
-        self._on_complete = on_complete
-        self._done = done
+    flat: FlatParamGroup
+    c0: int
+    c1: int
+    offset: int
+    in_place: bool  # the result goes back into the flat's own local buffer
+
+
+@dataclass
+class _Bucket:
+    staging: torch.Tensor  # (rows, capacity) in the wire dtype
+    pieces: list[_Piece] = field(default_factory=list)
+    used: int = 0  # columns filled
+    work: object = None  # the collective's handle once issued
+    result: torch.Tensor | None = None  # what the collective writes: (rows or 1, used)
+
+    @property
+    def capacity(self) -> int:
+        return self.staging.shape[1]
+
+
+class GradientReducer:
+    """Collects flats' local gradients into buckets and reduces each bucket with one collective.
+
+    Every rank must `add` the same flats in the same order (the buckets are collectives);
+    `finish` reduces what is left, waits for every collective and writes the results.
+
+    Args:
+        flats: every flat the engine owns (the bucket sizes are bounded by what they hold).
+        divisor: returns world_size x gradient_accumulation_steps (read at each `add`).
+        bucket_numel: the most elements one bucket (one collective) holds.
+    """
+
+    def __init__(
+        self, flats: list[FlatParamGroup], divisor: Callable[[], int], bucket_numel: int
+    ) -> None:
+        self._divisor = divisor
+        self.bucket_numel = max(1, bucket_numel)
+        self._total_cols: dict[tuple, int] = {}
+        self._devices: dict[tuple, torch.device] = {}
+        for flat in flats:
+            key = self._key(flat)
+            self._total_cols[key] = self._total_cols.get(key, 0) + self._cols(flat)
+            self._devices[key] = flat.device
+        self._added_cols: dict[tuple, int] = {}
+        self._open: dict[tuple, _Bucket] = {}  # the bucket being filled, per key
+        self._issued: list[_Bucket] = []  # collectives in flight, in issue order
+
+    # ----------------------------------------------------------------- layout
+    @staticmethod
+    def _key(flat: FlatParamGroup) -> tuple:
+        # Flats that can share a collective: same kind of reduction and the same dtypes.
+        return (flat.policy.scatter, flat.role.grad_accum_dtype, flat.role.reduce_dtype)
+
+    @staticmethod
+    def _cols(flat: FlatParamGroup) -> int:
+        return flat.padded_numel // flat.world_size
+
+    # ------------------------------------------------------------------- add
+    def add(self, flat: FlatParamGroup) -> None:
+        """Queue `flat`'s local gradient (zeros if it has none) for reduction."""
+        local = flat.local_grad_buffer()
+        key = self._key(flat)
+        rows, cols = flat.world_size, self._cols(flat)
+        acc_dtype, wire_dtype = flat.role.grad_accum_dtype, flat.role.reduce_dtype
+        # In place when nothing reduced is waiting: the local buffer (stage 0) or its own
+        # shard (stage 1) becomes the reduced gradient, so no second gradient buffer exists.
+        # Stages 2-3 free the local buffer instead (it is transient there).
+        in_place = (
+            flat.reduced_grad is None
+            and local.dtype == acc_dtype
+            and not flat.policy.reduce_every_backward
+        )
+        matrix = local.view(rows, cols)
+        divisor = self._divisor()
+        c0 = 0
+        while c0 < cols:
+            bucket = self._open.get(key)
+            if bucket is None:
+                bucket = self._open[key] = self._new_bucket(key, rows, wire_dtype)
+            n = min(bucket.capacity - bucket.used, cols - c0)
+            source = matrix[:, c0 : c0 + n]
+            target = bucket.staging[:, bucket.used : bucket.used + n]
+            if wire_dtype == acc_dtype:
+                torch.div(source, divisor, out=target)
+            else:
+                # Divide in the accumulation dtype first, then narrow: bitwise what a
+                # reference dividing before the cast computes. The local values are consumed.
+                target.copy_(source.div_(divisor))
+            bucket.pieces.append(_Piece(flat, c0, c0 + n, bucket.used, in_place))
+            bucket.used += n
+            self._added_cols[key] = self._added_cols.get(key, 0) + n
+            c0 += n
+            if bucket.used == bucket.capacity:
+                self._issue(key)
+        if in_place:
+            flat.adopt_local_as_reduced()  # filled in by finish()
+        else:
+            flat.release_local_grad()  # every piece was copied into a bucket above
+
+    def _new_bucket(self, key: tuple, rows: int, wire_dtype: torch.dtype) -> _Bucket:
+        remaining = self._total_cols[key] - self._added_cols.get(key, 0)
+        # Late gradients can reduce a flat twice in one backward: never size below one column.
+        capacity = min(max(1, self.bucket_numel // rows), max(1, remaining))
+        staging = torch.empty(rows, capacity, dtype=wire_dtype, device=self._devices[key])
+        return _Bucket(staging)
+
+    # --------------------------------------------------------------- reduce
+    def _issue(self, key: tuple) -> None:
+        bucket = self._open.pop(key)
+        scatter = key[0]
+        data = bucket.staging[:, : bucket.used]
+        if bucket.used < bucket.capacity:
+            data = data.contiguous()  # rank-major rows for the reduce-scatter
+        if scatter:
+            out = torch.empty(bucket.used, dtype=data.dtype, device=data.device)
+            bucket.work = comm.reduce_scatter(out, data.view(-1), tag="grad", async_op=True)
+            bucket.result = out.view(1, -1)  # this rank's row
+        else:
+            bucket.work = comm.all_reduce(data, tag="grad", async_op=True)
+            bucket.result = data  # every row
+        self._issued.append(bucket)
 
     def finish(self) -> None:
-        for work, complete in zip(self._works, self._on_complete, strict=True):
-            if work is not None:
-                work.wait()
-            complete()
-        self._done()
+        """Reduce every open bucket, wait for every collective, write every result."""
+        for key in list(self._open):
+            self._issue(key)
+        issued, self._issued = self._issued, []
+        for bucket in issued:
+            if bucket.work is not None:
+                bucket.work.wait()
+            for piece in bucket.pieces:
+                self._complete(piece, bucket.result[:, piece.offset : piece.offset + piece.c1 - piece.c0])
+        self._added_cols.clear()
 
-
-def start_reduce(flat: FlatParamGroup, divisor: int, bucket_numel: int) -> PendingReduction:
-    """Issue the reduction of `flat.local_grad` into `flat.reduced_grad`.
-
-    Every rank must call this for the same flats in the same order (it is a collective);
-    a rank that has no local gradient for the flat contributes zeros.
-    """
-    local = flat.local_grad_buffer()
-    if flat.policy.scatter:
-        return _reduce_scatter(flat, local, divisor, bucket_numel)
-    return _all_reduce(flat, local, divisor, bucket_numel)
-
-
-def _all_reduce(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket: int) -> PendingReduction:
-    acc_dtype = flat.role.grad_accum_dtype
-    wire_dtype = flat.role.reduce_dtype
-    # Reduce in place when the local buffer already holds the accumulation dtype and no
-    # reduced gradient is waiting: the buffer then simply becomes the reduced gradient, so
-    # stage 0 holds one full gradient buffer, not two.
-    in_place = flat.reduced_grad is None and local.dtype == acc_dtype
-    target = local if in_place else torch.empty_like(local, dtype=acc_dtype)
-    works, completions = [], []
-    bucket = max(1, bucket)
-    for start in range(0, flat.padded_numel, bucket):
-        length = min(bucket, flat.padded_numel - start)
-        chunk = target.narrow(0, start, length)
-        torch.div(local.narrow(0, start, length).to(acc_dtype), divisor, out=chunk)
-        if wire_dtype == acc_dtype:
-            works.append(comm.all_reduce(chunk, tag="grad", async_op=True))
-            completions.append(lambda: None)
+    def _complete(self, piece: _Piece, result: torch.Tensor) -> None:
+        # The reduced gradient is this rank's shard after a reduce-scatter (result: one row,
+        # columns c0:c1 of the shard), the whole buffer after an all-reduce (result: every
+        # row, columns c0:c1 of the flat's (W, columns) view).
+        flat = piece.flat
+        reduced = flat.reduced_grad_buffer()
+        if flat.policy.scatter:
+            result = result[0]
         else:
-            wire = chunk.to(wire_dtype)
-            works.append(comm.all_reduce(wire, tag="grad", async_op=True))
-            completions.append(lambda chunk=chunk, wire=wire: chunk.copy_(wire))
-    if in_place:
-        flat.adopt_local_as_reduced()  # filled in by the collectives; read only after finish()
-
-        def done() -> None:
-            pass
-    else:
-        flat.release_local_grad()
-
-        def done() -> None:
-            flat.reduced_grad_buffer().add_(target)
-
-    return PendingReduction(works, completions, done)
-
-
-def _reduce_scatter(flat: FlatParamGroup, local: torch.Tensor, divisor: int, bucket: int) -> PendingReduction:
-    acc_dtype = flat.role.grad_accum_dtype
-    wire_dtype = flat.role.reduce_dtype
-    ws, shard_numel = flat.world_size, flat.shard_numel
-    # Column block [c0, c1) of the (world_size, shard_numel) view is one bucket: row r of it
-    # is the part of rank r's shard the bucket covers, so the reduce-scatter's r-th chunk
-    # lands in rank r's shard.
-    by_rank = local.view(ws, shard_numel)
-    # Stage 1 with nothing reduced yet: the result goes straight into this rank's own slice
-    # of the (persistent, full) local buffer, which then holds the reduced shard. Safe: each
-    # bucket's input is copied out before its output can land, and buckets are disjoint.
-    in_place = (
-        flat.reduced_grad is None and local.dtype == acc_dtype and not flat.policy.reduce_every_backward
-    )
-    reduced = flat.shard_of(local) if in_place else flat.reduced_grad_buffer()
-    works, completions = [], []
-    cols = max(1, bucket // ws)
-    for c0 in range(0, shard_numel, cols):
-        c1 = min(shard_numel, c0 + cols)
-        block = torch.div(by_rank[:, c0:c1].to(acc_dtype), divisor)  # a contiguous copy
-        if wire_dtype != acc_dtype:
-            block = block.to(wire_dtype)
-        if in_place and wire_dtype == acc_dtype:
-            out = reduced.narrow(0, c0, c1 - c0)
-            works.append(comm.reduce_scatter(out, block, tag="grad", async_op=True))
-            completions.append(lambda block=block: None)  # keeps `block` alive until finish()
-            continue
-        if in_place:  # a narrower wire dtype: land the result, then widen it into place
-            out = torch.empty(c1 - c0, dtype=wire_dtype, device=local.device)
-            works.append(comm.reduce_scatter(out, block, tag="grad", async_op=True))
-            completions.append(
-                lambda c0=c0, c1=c1, out=out, block=block: reduced.narrow(0, c0, c1 - c0).copy_(out)
-            )
-            continue
-        out = torch.empty(c1 - c0, dtype=wire_dtype, device=local.device)
-        works.append(comm.reduce_scatter(out, block, tag="grad", async_op=True))
-        # `block` must outlive the collective: the closure keeps it alive until finish().
-        completions.append(
-            lambda c0=c0, c1=c1, out=out, block=block: reduced.narrow(0, c0, c1 - c0).add_(out)
-        )
-    if in_place:
-        flat.adopt_local_as_reduced()
-    else:
-        flat.release_local_grad()  # every bucket was copied out above
-    return PendingReduction(works, completions, lambda: None)
+            reduced = reduced.view(flat.world_size, -1)
+        target = reduced[..., piece.c0 : piece.c1]
+        if piece.in_place:
+            target.copy_(result)  # the reduced gradient is (part of) the local buffer: adopted in `add`
+        else:
+            target.add_(result)

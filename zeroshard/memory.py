@@ -19,8 +19,10 @@ accumulated element. In fp32 and torch_autocast modes the master weights are the
 
 *Buffers* come on top, each bounded by a bucket size or a unit, never by the model:
 
-* stages 2-3: a transient gradient buffer for the unit being reduced (largest unit, grad dtype);
-* all stages: the reduce bucket on the wire (``reduce_bucket_size`` elements, reduce dtype);
+* stages 2-3: a transient local gradient buffer for the unit being reduced (largest unit,
+  accumulation dtype), freed once it is copied into the reduce bucket;
+* all stages: the reduce bucket (``reduce_bucket_size`` elements, reduce dtype). It is filled
+  across units (zeroshard/grad_reduce.py), so only the model's size bounds it below that;
 * stages 1-2: the parameter all-gather after the step (``allgather_bucket_size``, gather dtype);
 * stage 3: gathered units (prefetch bucket + the largest unit, gather dtype) and the small units
   kept resident (below ``stage3_param_persistence_threshold``).
@@ -225,13 +227,13 @@ def estimate_memory(
 
     # Buffers take the widest dtype of any group present: they are bounds, not exact figures.
     roles = [plan.groups[name] for name, n in counts.items() if n > 0] or [next(iter(plan.groups.values()))]
-    grad_size = max(_size(r.grad_dtype) for r in roles)
+    accum_size = max(_size(r.grad_accum_dtype) for r in roles)
     reduce_size = max(_size(r.reduce_dtype) for r in roles)
     gather_size = max(_size(r.gather_dtype) for r in roles)
     buffers = dict.fromkeys(BUFFER_KEYS, 0)
-    buffers["reduce_bucket"] = min(reduce_bucket_size, largest_unit if stage >= 2 else total) * reduce_size
+    buffers["reduce_bucket"] = min(reduce_bucket_size, total) * reduce_size
     if stage >= 2:
-        buffers["grad_unit_buffer"] = largest_unit * grad_size
+        buffers["grad_unit_buffer"] = largest_unit * accum_size
     if stage in (1, 2):
         buffers["allgather_bucket"] = min(allgather_bucket_size, total) * gather_size
     if stage == 3:

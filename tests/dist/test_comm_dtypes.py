@@ -9,9 +9,12 @@ structure and the precision contract, not read from the engine:
   its Linear parameters ("safe": root 91 = odd 40 + unused 51, block 272) and the rest
   ("other": root 241 = tied embedding 208 + LayerNorm 32 + gain 1, block 32). Each flat
   is padded to a multiple of the world size.
-- "grad" records: stage 0 all-reduces each flat, stages 1-3 reduce-scatter it, once per
-  step at stages 0-1 and once per micro-step at stages 2-3, in the reduce dtype of the
-  contract (table `REDUCE`).
+- "grad" records: stage 0 all-reduces, stages 1-3 reduce-scatter, once per step at stages
+  0-1 and once per micro-step at stages 2-3, in the reduce dtype of the contract (table
+  `REDUCE`). Flats of one reduce dtype share buckets: each flat is a (W, padded / W)
+  matrix and a bucket holds at most reduce_bucket_size // W of those columns, filled in
+  reduce order and cut across flats, so one reduction issues ceil(columns / capacity)
+  collectives per dtype (one with the default bucket of 5e8).
 - "param" records: stages 1-2 all-gather each flat once after the step in the parameter
   dtype; stage 3 all-gathers each flat before its forward and again before its backward,
   in the gather dtype, every micro-step (stage3_param_persistence_threshold 0 here).
@@ -50,6 +53,8 @@ COMM_MODES = (
     "autocast_bf16",
 )
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size
+SMALL_BUCKET = 500  # smaller than the model (1244 elements): buckets cut across flats
 
 # The precision contract (DESIGN section 2), per mode and precision group.
 REDUCE = {
@@ -91,14 +96,27 @@ def padded(numel: int, world_size: int) -> int:
     return -(-numel // world_size) * world_size
 
 
-def expected_records(mode: str, stage: int, world_size: int, ga: int) -> Counter:
+def bucket_sizes(columns: int, rows: int, bucket: int) -> list[int]:
+    """Elements of each collective that reduces `columns` columns of `rows` rows."""
+    capacity = bucket // rows
+    sizes = [capacity] * (columns // capacity) + ([columns % capacity] if columns % capacity else [])
+    return [rows * cols for cols in sizes]
+
+
+def expected_records(mode: str, stage: int, world_size: int, ga: int, bucket: int = DEFAULT_BUCKET) -> Counter:
     """The multiset of (op, dtype, numel, tag) one optimizer step must issue."""
     records: Counter = Counter()
     reductions = ga if stage >= 2 else 1
+    reduce_op = "all_reduce" if stage == 0 else "reduce_scatter"
+    rows = world_size
+    columns: Counter = Counter()  # per reduce dtype
+    for group, numel in flats(mode):
+        columns[REDUCE[(mode, group)]] += padded(numel, world_size) // rows
+    for dtype, cols in columns.items():
+        for size in bucket_sizes(cols, rows, bucket):
+            records[(reduce_op, dtype, size, "grad")] += reductions
     for group, numel in flats(mode):
         size = padded(numel, world_size)
-        reduce_op = "all_reduce" if stage == 0 else "reduce_scatter"
-        records[(reduce_op, REDUCE[(mode, group)], size, "grad")] += reductions
         if stage in (1, 2):
             records[("all_gather", PARAM[mode], size, "param")] += 1
         if stage == 3:
@@ -129,31 +147,40 @@ def expected_volume(mode: str, stage: int, world_size: int) -> int:
 
 @pytest.fixture(scope="module")
 def recorded(dist_pool):
-    """`recorded(world_size, ga)` -> {(mode, stage): records}; each pair runs once."""
-    cache: dict[tuple[int, int], dict] = {}
+    """`recorded(world_size, ga, bucket)` -> {(mode, stage): records}; each runs once."""
+    cache: dict[tuple[int, int, int], dict] = {}
 
-    def get(world_size: int, ga: int):
-        if (world_size, ga) not in cache:
-            cases = [Case(stage=stage, mode=mode, ga=ga, keep=()) for mode in COMM_MODES for stage in STAGES]
+    def get(world_size: int, ga: int, bucket: int = DEFAULT_BUCKET):
+        if (world_size, ga, bucket) not in cache:
+            extra = {"zero_optimization": {"reduce_bucket_size": bucket}}
+            cases = [
+                Case(stage=stage, mode=mode, ga=ga, keep=(), extra=extra) for mode in COMM_MODES for stage in STAGES
+            ]
             per_rank = dist_pool(world_size).run(record_one_step, cases, timeout=TIMEOUT_S)
             for rank, results in enumerate(per_rank[1:], start=1):
                 assert results == per_rank[0], f"rank {rank} issued other collectives than rank 0"
-            cache[(world_size, ga)] = {(c.mode, c.stage): r for c, r in zip(cases, per_rank[0], strict=True)}
-        return cache[(world_size, ga)]
+            cache[(world_size, ga, bucket)] = {
+                (c.mode, c.stage): r for c, r in zip(cases, per_rank[0], strict=True)
+            }
+        return cache[(world_size, ga, bucket)]
 
     return get
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("ga", [1, 4])
-def test_collectives_have_the_contract_dtypes(recorded, world_size: int, ga: int) -> None:
-    """Every collective of a step, by op, dtype, size and purpose, is what the contract and
-    the stage imply; nothing else is issued (no start-up broadcasts, no extra gathers)."""
-    results = recorded(world_size, ga)
+@pytest.mark.parametrize(
+    ("world_size", "ga", "bucket"),
+    [(2, 1, DEFAULT_BUCKET), (2, 4, DEFAULT_BUCKET), (3, 1, DEFAULT_BUCKET), (3, 4, DEFAULT_BUCKET),
+     (2, 1, SMALL_BUCKET), (3, 4, SMALL_BUCKET)],
+)
+def test_collectives_have_the_contract_dtypes(recorded, world_size: int, ga: int, bucket: int) -> None:
+    """Every collective of a step, by op, dtype, size and purpose, is what the contract, the
+    stage and the bucket size imply; nothing else is issued (no start-up broadcasts, no
+    extra gathers)."""
+    results = recorded(world_size, ga, bucket)
     failures = []
     for (mode, stage), records in results.items():
         got = Counter((op, dtype, numel, tag) for op, dtype, numel, _, tag in records)
-        want = expected_records(mode, stage, world_size, ga)
+        want = expected_records(mode, stage, world_size, ga, bucket)
         if got != want:
             failures.append(f"{mode} stage {stage}: missing {dict(want - got)}, unexpected {dict(got - want)}")
         for op, dtype, numel, nbytes, tag in records:

@@ -112,7 +112,7 @@ def test_buffers_are_bounded_by_buckets_and_units():
         persistence_threshold=100_000,
     )
     assert estimate.buffers == {
-        "grad_unit_buffer": 2 * 1_000_000,  # the largest unit's bf16 gradient
+        "grad_unit_buffer": 4 * 1_000_000,  # the largest unit's local gradient, fp32 accumulation
         "reduce_bucket": 4 * 500_000,  # fp32 on the wire, one bucket at a time
         "allgather_bucket": 0,
         "gathered_units": 2 * (2_000_000 + 1_000_000),  # prefetch + largest unit, bf16
@@ -120,6 +120,9 @@ def test_buffers_are_bounded_by_buckets_and_units():
     }
     assert estimate.total_bytes == estimate.model_state_bytes + estimate.buffer_bytes
     assert estimate.assumptions == []
+    # A bucket larger than any unit fills across units: the bucket, not the unit, bounds it.
+    wide = estimate_memory(plan, 3, W, P, unit_numels=units, reduce_bucket_size=5_000_000)
+    assert wide.buffers["reduce_bucket"] == 4 * 5_000_000
     stage1 = estimate_memory(plan, 1, W, P, allgather_bucket_size=3_000_000, reduce_bucket_size=10**9)
     assert stage1.buffers["allgather_bucket"] == 2 * 3_000_000
     assert stage1.buffers["reduce_bucket"] == 4 * P  # bucket larger than the model: the model bounds it
