@@ -28,6 +28,7 @@ from .grad_reduce import GradientReducer
 from .loss_scale import make_loss_scaler
 from .optim import build_optimizer, muon, repoint_optimizer
 from .precision import PrecisionPlan, assign_param_groups
+from .publish import publish_masters
 from .stages import stage_policy
 from .unit import Unit
 from .units import plan_units
@@ -457,9 +458,7 @@ class Engine:
                     flat.master.grad.mul_(coef)
             self._post_clip_grad_norm = norm * min(1.0, coef)
             self.optimizer.step()
-            with torch.no_grad():
-                for flat in self.flats:
-                    flat.publish_master()
+            publish_masters(self.flats, self.config.zero_optimization.allgather_bucket_size)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)

@@ -90,6 +90,10 @@ class FlatParamGroup:
 
         self.master = self._make_master()
         self.local_grad: torch.Tensor | None = None
+        # Params whose region of `local_grad` holds no gradient of this accumulation yet (its
+        # contents are stale or uninitialised): their first gradient is copied in, not added,
+        # so the buffer is never zero-filled up front (see `accumulate`).
+        self._unwritten: set[int] = set()
         self.reduced_grad: torch.Tensor | None = None
         # The full local buffer `reduced_grad` lives in, when a reduction ran in place.
         self._reduced_in_local: torch.Tensor | None = None
@@ -187,6 +191,11 @@ class FlatParamGroup:
             comm.all_gather(wire, shard.to(wire_dtype), tag=tag)
             self.full.copy_(wire)
 
+    def needs_gather_to_publish(self) -> bool:
+        """Stages 1-2: the master is a shard but every rank keeps the full parameters, so
+        publishing is an all-gather (zeroshard/publish.py buckets those across flats)."""
+        return self.policy.shard_optimizer and self.param_shard is None
+
     def publish_master(self) -> None:
         """After an optimizer step: make the module parameters equal the new master values."""
         role = self.role
@@ -203,21 +212,44 @@ class FlatParamGroup:
             self._all_gather_into_full(self.master, role.param_dtype, tag="param")
 
     # -------------------------------------------------------------- gradients
+    def _restart_local(self, buffer: torch.Tensor) -> None:
+        """`buffer` becomes the local gradient of a new accumulation: every parameter's region
+        counts as unwritten (zeroed lazily); the padding is zeroed now, since it is reduced."""
+        buffer.narrow(0, self.numel, self.padded_numel - self.numel).zero_()
+        self.local_grad = buffer
+        self._unwritten = set(range(len(self.params)))
+
     def local_grad_buffer(self) -> torch.Tensor:
-        """The full-size local gradient buffer in the accumulation dtype, allocated (zeroed)
-        on first use. At stages 2-3 it lives only until the unit is reduced, but it still
-        accumulates (no_sync micro-steps, several autograd phases), so it too is in the
-        accumulation dtype: summing in the gradient dtype would lose what fp32 accumulation
-        promises."""
+        """The full-size local gradient buffer in the accumulation dtype, allocated on first
+        use. At stages 2-3 it lives only until the unit is reduced, but it still accumulates
+        (no_sync micro-steps, several autograd phases), so it too is in the accumulation
+        dtype: summing in the gradient dtype would lose what fp32 accumulation promises.
+
+        Regions no gradient reached yet may hold anything: read it through `settled_local_grad`."""
         if self.local_grad is None:
-            self.local_grad = torch.zeros(
-                self.padded_numel, dtype=self.role.grad_accum_dtype, device=self.device
+            self._restart_local(
+                torch.empty(self.padded_numel, dtype=self.role.grad_accum_dtype, device=self.device)
             )
         return self.local_grad
 
+    def settled_local_grad(self) -> torch.Tensor:
+        """The local gradient with every region no gradient reached set to zero."""
+        buf = self.local_grad_buffer()
+        for index in self._unwritten:
+            buf.narrow(0, self.offsets[index], self.numels[index]).zero_()
+        self._unwritten.clear()
+        return buf
+
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         buf = self.local_grad_buffer()
-        buf.narrow(0, self.offsets[index], self.numels[index]).add_(grad.reshape(-1))
+        region = buf.narrow(0, self.offsets[index], self.numels[index])
+        # The first gradient of an accumulation is copied (cast if need be): one pass over
+        # the region instead of a zero fill and an add.
+        if index in self._unwritten:
+            region.copy_(grad.reshape(-1))
+            self._unwritten.discard(index)
+        else:
+            region.add_(grad.reshape(-1))
 
     def reduced_grad_buffer(self) -> torch.Tensor:
         if self.reduced_grad is None:
@@ -241,9 +273,8 @@ class FlatParamGroup:
         one becomes the local one again."""
         if self._reduced_in_local is not None:
             base, self._reduced_in_local, self.reduced_grad = self._reduced_in_local, None, None
-            base.zero_()
             if self.local_grad is None:
-                self.local_grad = base
+                self._restart_local(base)  # no zero fill: see `accumulate`
         elif self.reduced_grad is not None:
             self.reduced_grad.zero_()
 
@@ -254,7 +285,7 @@ class FlatParamGroup:
         if self.policy.reduce_every_backward:
             self.local_grad = None
         else:
-            self.local_grad.zero_()
+            self._restart_local(self.local_grad)
 
     def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         return flat.narrow(0, self.offsets[index], self.numels[index]).view(self.shapes[index])

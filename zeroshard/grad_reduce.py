@@ -106,7 +106,7 @@ class GradientReducer:
     # ------------------------------------------------------------------- add
     def add(self, flat: FlatParamGroup) -> None:
         """Queue `flat`'s local gradient (zeros if it has none) for reduction."""
-        local = flat.local_grad_buffer()
+        local = flat.settled_local_grad()
         key = self._key(flat)
         rows, cols = flat.world_size, self._cols(flat)
         acc_dtype, wire_dtype = flat.role.grad_accum_dtype, flat.role.reduce_dtype

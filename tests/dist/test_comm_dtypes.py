@@ -15,8 +15,8 @@ structure and the precision contract, not read from the engine:
   matrix and a bucket holds at most reduce_bucket_size // W of those columns, filled in
   reduce order and cut across flats, so one reduction issues ceil(columns / capacity)
   collectives per dtype (one with the default bucket of 5e8).
-- "param" records: stages 1-2 all-gather each flat once after the step in the parameter
-  dtype; stage 3 all-gathers each flat before its forward and again before its backward,
+- "param" records: stages 1-2 all-gather every rank's master shards once after the step in
+  the parameter dtype, in buckets cut like the reduce buckets (allgather_bucket_size); stage 3 all-gathers each flat before its forward and again before its backward,
   in the gather dtype, every micro-step (stage3_param_persistence_threshold 0 here).
 - one "norm" all-reduce of one fp32 element.
 
@@ -54,7 +54,7 @@ COMM_MODES = (
 )
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size
-SMALL_BUCKET = 500  # smaller than the model (1244 elements): buckets cut across flats
+SMALL_BUCKET = 500  # reduce and all-gather buckets smaller than the model (1244 elements)
 
 # The precision contract (DESIGN section 2), per mode and precision group.
 REDUCE = {
@@ -115,10 +115,12 @@ def expected_records(mode: str, stage: int, world_size: int, ga: int, bucket: in
     for dtype, cols in columns.items():
         for size in bucket_sizes(cols, rows, bucket):
             records[(reduce_op, dtype, size, "grad")] += reductions
+    if stage in (1, 2):  # one parameter dtype per mode: all flats share the gather buckets
+        total_columns = sum(padded(numel, world_size) // rows for _, numel in flats(mode))
+        for size in bucket_sizes(total_columns, rows, bucket):
+            records[("all_gather", PARAM[mode], size, "param")] += 1
     for group, numel in flats(mode):
         size = padded(numel, world_size)
-        if stage in (1, 2):
-            records[("all_gather", PARAM[mode], size, "param")] += 1
         if stage == 3:
             records[("all_gather", gather_dtype(mode, group), size, "param")] += 2 * ga
     records[("all_reduce", "float32", 1, "norm")] += 1
@@ -152,7 +154,7 @@ def recorded(dist_pool):
 
     def get(world_size: int, ga: int, bucket: int = DEFAULT_BUCKET):
         if (world_size, ga, bucket) not in cache:
-            extra = {"zero_optimization": {"reduce_bucket_size": bucket}}
+            extra = {"zero_optimization": {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}}
             cases = [
                 Case(stage=stage, mode=mode, ga=ga, keep=(), extra=extra) for mode in COMM_MODES for stage in STAGES
             ]
