@@ -1,0 +1,151 @@
+"""DDP and zeroshard's stages in the same processes, step for step: low-noise ratios.
+
+    python benchmarks/interleaved.py                           # W=2, fp32, ddp,s0,s1,s2,s3
+    python benchmarks/interleaved.py --world-size 4 --mode bf16 --steps 20
+    git worktree add /tmp/before <commit>                      # before/after a change:
+    python benchmarks/interleaved.py --zeroshard-root /tmp/before --json before.json
+
+`peers.py` runs each engine in its own processes, one after another, so load that comes and
+goes between runs moves their ratios. Here every engine is built in the same W processes and
+they take turns, one step each, on the same batch: whatever else the machine does hits all
+of them alike, so the ratio of each one's median step time to DDP's is stable to a few
+percent even on a busy 2-core machine. Use it to measure the effect of one engine change
+(`--zeroshard-root` imports zeroshard from another checkout); use `peers.py` for the full
+table with memory, communication and the other peers.
+
+The workload is peers.py's (benchmarks/peers_workload.py): the demo GPT at --model, the same
+synthetic text and batches, AdamW, clipping at 1.0. Each step starts after a barrier and
+counts as its slowest rank's time; forward / backward / step phases are rank 0's. Prints a
+table and writes JSON. A benchmark, not a test: nothing asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = Path(__file__).resolve().parent
+
+
+def _ddp_runner(workload, mode: str):
+    from peers_workload import ADAMW_KWARGS, GRADIENT_CLIPPING, build_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if mode == "fp16":
+        raise ValueError("--mode fp16: DDP has no fp16 recipe here (no masters, no loss scale); "
+                         "drop ddp from --engines, e.g. --engines s0,s1,s2,s3")
+    model = build_model(workload)
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_KWARGS)
+
+    def step(x, y):
+        autocast = torch.autocast("cpu", torch.bfloat16, enabled=(mode == "autocast"))
+        t0 = time.perf_counter()
+        with autocast:
+            _, loss = ddp(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRADIENT_CLIPPING)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return [t1 - t0, t2 - t1, time.perf_counter() - t2]
+
+    return step
+
+
+def _zeroshard_runner(workload, mode: str, stage: int):
+    from peers_engines import _engine_config, deepspeed_style_step
+    from peers_workload import build_model
+
+    import zeroshard
+
+    model = build_model(workload)
+    config = _engine_config(workload, mode, stage)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return lambda x, y: deepspeed_style_step(engine, x, y)[1]
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    for path in (str(HERE), args.zeroshard_root):  # zeroshard from --zeroshard-root first
+        sys.path.insert(0, path)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
+    from peers_workload import BatchPlan, Workload
+
+    workload = Workload(args.model, args.world_size, args.global_batch, args.steps, args.warmup)
+    plan = BatchPlan(workload)
+    names = args.engines.split(",")
+    runners = {n: _ddp_runner(workload, args.mode) if n == "ddp" else _zeroshard_runner(workload, args.mode, int(n[1:]))
+               for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    phases: dict[str, list[list[float]]] = {n: [] for n in names}
+    for i in range(workload.total_steps):
+        x, y = plan.batch(i, rank)
+        for name, step in runners.items():
+            dist.barrier()
+            start = time.perf_counter()
+            phase = step(x, y)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i >= workload.warmup:
+                times[name].append(elapsed.item() * 1e3)
+                phases[name].append([p * 1e3 for p in phase])
+    if rank == 0:
+        import zeroshard
+
+        base = statistics.median(times[names[0]])
+        rows = []
+        for name in names:
+            median = statistics.median(times[name])
+            fwd, bwd, opt = (statistics.median(p[j] for p in phases[name]) for j in range(3))
+            rows.append({"engine": name, "step_ms": median, "ratio": median / base,
+                         "forward_ms": fwd, "backward_ms": bwd, "step_phase_ms": opt})
+        meta = {"world_size": args.world_size, "mode": args.mode, "model": args.model, "steps": args.steps,
+                "zeroshard": str(Path(zeroshard.__file__).parent.parent), "torch": torch.__version__,
+                "load_average": os.getloadavg()}
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "autocast", "fp16"])
+    parser.add_argument("--engines", default="ddp,s0,s1,s2,s3", help="ddp and/or sN (zeroshard stage N); "
+                        "ratios are to the first")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--zeroshard-root", default=str(HERE.parent), help="checkout to import zeroshard from")
+    parser.add_argument("--port", type=int, default=29641)
+    parser.add_argument("--json", default=str(HERE / "results" / "interleaved.json"))
+    args = parser.parse_args()
+    args.zeroshard_root = str(Path(args.zeroshard_root).resolve())
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_rank_main, args=(args, args.port), nprocs=args.world_size, start_method="spawn")
+    result = json.loads(Path(args.json).read_text())
+    meta = result["meta"]
+    print(f"{meta['mode']}, W={meta['world_size']}, {meta['model']}, {meta['steps']} steps, "
+          f"zeroshard from {meta['zeroshard']}")
+    print(f"{'engine':>7} {'step ms':>8} {'ratio':>6} {'fwd':>7} {'bwd':>7} {'step':>7}")
+    for r in result["rows"]:
+        print(f"{r['engine']:>7} {r['step_ms']:>8.1f} {r['ratio']:>6.3f} {r['forward_ms']:>7.1f} "
+              f"{r['backward_ms']:>7.1f} {r['step_phase_ms']:>7.1f}")
+    print(f"wrote {args.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
