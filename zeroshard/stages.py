@@ -7,8 +7,8 @@ answers the questions of the table below. Nothing else in the engine asks "which
 |-------|------------------|----------------|--------------|--------------------------|
 | 0     | yes              | full, persistent, accumulation dtype | boundary, all-reduce | full |
 | 1     | yes              | full, persistent, accumulation dtype | boundary, reduce-scatter | shard |
-| 2     | yes              | per unit, transient, accumulation dtype | every backward, as units complete, reduce-scatter | shard |
-| 3     | no               | per unit, transient, accumulation dtype | every backward, as units complete, reduce-scatter | shard |
+| 2     | yes              | per unit, transient, accum. dtype | every backward, reduce-scatter | shard |
+| 3     | no               | per unit, transient, accum. dtype | every backward, reduce-scatter | shard |
 
 Reductions go through buckets of `reduce_bucket_size` elements that fill across units
 (zeroshard/grad_reduce.py): a full bucket is reduced at once, asynchronously, while the
