@@ -2,6 +2,7 @@
 
     python benchmarks/interleaved.py                           # W=2, fp32, ddp,s0,s1,s2,s3
     python benchmarks/interleaved.py --world-size 4 --mode bf16 --steps 20
+    python benchmarks/interleaved.py --config-extra '{"zero_optimization": {"reduce_bucket_size": 200000}}'
     git worktree add /tmp/before <commit>                      # before/after a change:
     python benchmarks/interleaved.py --zeroshard-root /tmp/before --json before.json
 
@@ -65,14 +66,23 @@ def _ddp_runner(workload, mode: str):
     return step
 
 
-def _zeroshard_runner(workload, mode: str, stage: int):
+def _merge(config: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge(config[key], value)
+        else:
+            config[key] = value
+    return config
+
+
+def _zeroshard_runner(workload, mode: str, stage: int, extra: dict):
     from peers_engines import _engine_config, deepspeed_style_step
     from peers_workload import build_model
 
     import zeroshard
 
     model = build_model(workload)
-    config = _engine_config(workload, mode, stage)
+    config = _merge(_engine_config(workload, mode, stage), extra)
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
     return lambda x, y: deepspeed_style_step(engine, x, y)[1]
 
@@ -87,8 +97,11 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     workload = Workload(args.model, args.world_size, args.global_batch, args.steps, args.warmup)
     plan = BatchPlan(workload)
     names = args.engines.split(",")
-    runners = {n: _ddp_runner(workload, args.mode) if n == "ddp" else _zeroshard_runner(workload, args.mode, int(n[1:]))
-               for n in names}
+    extra = json.loads(args.config_extra)
+    runners = {
+        n: _ddp_runner(workload, args.mode) if n == "ddp" else _zeroshard_runner(workload, args.mode, int(n[1:]), extra)
+        for n in names
+    }
     times: dict[str, list[float]] = {n: [] for n in names}
     phases: dict[str, list[list[float]]] = {n: [] for n in names}
     for i in range(workload.total_steps):
@@ -113,6 +126,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             rows.append({"engine": name, "step_ms": median, "ratio": median / base,
                          "forward_ms": fwd, "backward_ms": bwd, "step_phase_ms": opt})
         meta = {"world_size": args.world_size, "mode": args.mode, "model": args.model, "steps": args.steps,
+                "config_extra": extra,
                 "zeroshard": str(Path(zeroshard.__file__).parent.parent), "torch": torch.__version__,
                 "load_average": os.getloadavg()}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -125,6 +139,8 @@ def main() -> None:
     parser.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "autocast", "fp16"])
     parser.add_argument("--engines", default="ddp,s0,s1,s2,s3", help="ddp and/or sN (zeroshard stage N); "
                         "ratios are to the first")
+    parser.add_argument("--config-extra", default="{}", help="JSON merged into every zeroshard config, e.g. "
+                        "'{\"zero_optimization\": {\"reduce_bucket_size\": 200000}}'")
     parser.add_argument("--model", default="small")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30)
@@ -139,7 +155,7 @@ def main() -> None:
     result = json.loads(Path(args.json).read_text())
     meta = result["meta"]
     print(f"{meta['mode']}, W={meta['world_size']}, {meta['model']}, {meta['steps']} steps, "
-          f"zeroshard from {meta['zeroshard']}")
+          f"zeroshard from {meta['zeroshard']}, config extra {json.dumps(meta['config_extra'])}")
     print(f"{'engine':>7} {'step ms':>8} {'ratio':>6} {'fwd':>7} {'bwd':>7} {'step':>7}")
     for r in result["rows"]:
         print(f"{r['engine']:>7} {r['step_ms']:>8.1f} {r['ratio']:>6.3f} {r['forward_ms']:>7.1f} "
