@@ -16,8 +16,10 @@ the count of collectives at ceil(gradient elements / reduce_bucket_size) per bac
 
 Memory stays bounded by the bucket, not by the model: a flat's gradient is copied into the
 bucket when its unit is ready, after which stages 2-3 free the flat's local buffer at once;
-the bucket itself holds at most `reduce_bucket_size` elements (fewer when less remains to be
-reduced). Stages 0-1 keep their full local buffer and receive the result back into it (it
+a bucket holds at most `reduce_bucket_size` elements (fewer when less remains to be reduced),
+and at most two exist at once: one being filled and one being reduced. Issuing a bucket
+first completes any older one still in flight (double buffering, as DeepSpeed's overlap_comm
+does). Stages 0-1 keep their full local buffer and receive the result back into it (it
 becomes the reduced gradient, or at stage 1 its own shard does), so they hold one full
 gradient buffer, as before.
 
@@ -91,7 +93,7 @@ class GradientReducer:
             self._devices[key] = flat.device
         self._added_cols: dict[tuple, int] = {}
         self._open: dict[tuple, _Bucket] = {}  # the bucket being filled, per key
-        self._issued: list[_Bucket] = []  # collectives in flight, in issue order
+        self._issued: list[_Bucket] = []  # collectives in flight, in issue order (at most one)
 
     # ----------------------------------------------------------------- layout
     @staticmethod
@@ -120,6 +122,11 @@ class GradientReducer:
         )
         matrix = local.view(rows, cols)
         divisor = self._divisor()
+        if in_place:
+            # Adopt before staging: issuing a full bucket below may complete an earlier piece
+            # of this very flat, whose result then lands in the (adopted) reduced gradient. It
+            # only writes columns already staged.
+            flat.adopt_local_as_reduced()
         c0 = 0
         while c0 < cols:
             bucket = self._open.get(key)
@@ -140,9 +147,7 @@ class GradientReducer:
             c0 += n
             if bucket.used == bucket.capacity:
                 self._issue(key)
-        if in_place:
-            flat.adopt_local_as_reduced()  # filled in by finish()
-        else:
+        if not in_place:
             flat.release_local_grad()  # every piece was copied into a bucket above
 
     def _new_bucket(self, key: tuple, rows: int, wire_dtype: torch.dtype) -> _Bucket:
@@ -154,6 +159,9 @@ class GradientReducer:
 
     # --------------------------------------------------------------- reduce
     def _issue(self, key: tuple) -> None:
+        # Double buffering: complete what is in flight before the next collective starts, so
+        # a model larger than a bucket never holds more than two buckets.
+        self._complete_issued()
         bucket = self._open.pop(key)
         scatter = key[0]
         data = bucket.staging[:, : bucket.used]
@@ -172,13 +180,16 @@ class GradientReducer:
         """Reduce every open bucket, wait for every collective, write every result."""
         for key in list(self._open):
             self._issue(key)
+        self._complete_issued()
+        self._added_cols.clear()
+
+    def _complete_issued(self) -> None:
         issued, self._issued = self._issued, []
         for bucket in issued:
             if bucket.work is not None:
                 bucket.work.wait()
             for piece in bucket.pieces:
                 self._complete(piece, bucket.result[:, piece.offset : piece.offset + piece.c1 - piece.c0])
-        self._added_cols.clear()
 
     def _complete(self, piece: _Piece, result: torch.Tensor) -> None:
         # The reduced gradient is this rank's shard after a reduce-scatter (result: one row,

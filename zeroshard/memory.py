@@ -21,8 +21,9 @@ accumulated element. In fp32 and torch_autocast modes the master weights are the
 
 * stages 2-3: a transient local gradient buffer for the unit being reduced (largest unit,
   accumulation dtype), freed once it is copied into the reduce bucket;
-* all stages: the reduce bucket (``reduce_bucket_size`` elements, reduce dtype). It is filled
-  across units (zeroshard/grad_reduce.py), so only the model's size bounds it below that;
+* all stages: the reduce buckets (``reduce_bucket_size`` elements each, reduce dtype; one
+  being filled per wire dtype and one being reduced, zeroshard/grad_reduce.py). They fill
+  across units, so only the model's size bounds them below that;
 * stages 1-2: the parameter all-gather after the step (``allgather_bucket_size``, gather dtype);
 * stage 3: gathered units (prefetch bucket + the largest unit, gather dtype) and the small units
   kept resident (below ``stage3_param_persistence_threshold``).
@@ -231,7 +232,9 @@ def estimate_memory(
     reduce_size = max(_size(r.reduce_dtype) for r in roles)
     gather_size = max(_size(r.gather_dtype) for r in roles)
     buffers = dict.fromkeys(BUFFER_KEYS, 0)
-    buffers["reduce_bucket"] = min(reduce_bucket_size, total) * reduce_size
+    # One bucket filling per (accumulation, wire) dtype pair, plus one being reduced.
+    filling = len({(r.grad_accum_dtype, r.reduce_dtype) for r in roles})
+    buffers["reduce_bucket"] = min((filling + 1) * reduce_bucket_size, total) * reduce_size
     if stage >= 2:
         buffers["grad_unit_buffer"] = largest_unit * accum_size
     if stage in (1, 2):

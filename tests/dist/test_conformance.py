@@ -54,12 +54,24 @@ PARAM_DTYPE = {
 RESIDENT_BLOCKS = {"zero_optimization": {"stage3_param_persistence_threshold": 320}}
 
 
+# Reduce and all-gather buckets far smaller than the model (1244 elements): every backward
+# issues several buckets, completes older ones while the next fills (grad_reduce.py's double
+# buffering) and cuts flats across buckets; autocast has two wire dtypes, i.e. two open buckets.
+SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 300, "allgather_bucket_size": 300}}
+
+
 def matrix_cases() -> list[Case]:
     cases = [Case(stage=stage, mode=mode, ga=ga) for mode in MODES for ga in GRAD_ACCUM for stage in STAGES]
     cases += [
         Case(stage=3, mode=mode, ga=ga, extra=RESIDENT_BLOCKS, variant="resident-blocks")
         for mode in ("fp32", "bf16")
         for ga in GRAD_ACCUM
+    ]
+    cases += [
+        Case(stage=stage, mode=mode, ga=ga, extra=SMALL_BUCKETS, variant="small-buckets")
+        for mode in ("fp32", "autocast_bf16")
+        for ga in GRAD_ACCUM
+        for stage in STAGES
     ]
     return cases
 

@@ -113,16 +113,17 @@ def test_buffers_are_bounded_by_buckets_and_units():
     )
     assert estimate.buffers == {
         "grad_unit_buffer": 4 * 1_000_000,  # the largest unit's local gradient, fp32 accumulation
-        "reduce_bucket": 4 * 500_000,  # fp32 on the wire, one bucket at a time
+        "reduce_bucket": 4 * 2 * 500_000,  # fp32 on the wire, one bucket filling, one reducing
         "allgather_bucket": 0,
         "gathered_units": 2 * (2_000_000 + 1_000_000),  # prefetch + largest unit, bf16
         "resident_units": 2 * 50_000,
     }
     assert estimate.total_bytes == estimate.model_state_bytes + estimate.buffer_bytes
     assert estimate.assumptions == []
-    # A bucket larger than any unit fills across units: the bucket, not the unit, bounds it.
+    # A bucket larger than any unit fills across units: the buckets, not the unit, bound it,
+    # and the model bounds the two buckets (8M elements < 2 x 5M).
     wide = estimate_memory(plan, 3, W, P, unit_numels=units, reduce_bucket_size=5_000_000)
-    assert wide.buffers["reduce_bucket"] == 4 * 5_000_000
+    assert wide.buffers["reduce_bucket"] == 4 * 8_000_000
     stage1 = estimate_memory(plan, 1, W, P, allgather_bucket_size=3_000_000, reduce_bucket_size=10**9)
     assert stage1.buffers["allgather_bucket"] == 2 * 3_000_000
     assert stage1.buffers["reduce_bucket"] == 4 * P  # bucket larger than the model: the model bounds it
@@ -141,7 +142,7 @@ def test_estimate_for_config_reads_stage_buckets_and_optimizer():
     assert (estimate.stage, estimate.world_size) == (2, W)
     # params 2P; grads 2 P/W; master 4 P/W; one fp32 momentum 4 P/W
     assert estimate.model_state_bytes == 2 * P + 10 * P // W
-    assert estimate.buffers["reduce_bucket"] == 2 * 1000
+    assert estimate.buffers["reduce_bucket"] == 2 * 2 * 1000  # fp16 wire: one bucket filling, one reducing
 
 
 def test_bad_arguments():
