@@ -36,6 +36,7 @@ from .checkpoint_format import (
 from .checkpoint_rng import RNG_PREFIX, restore_rng_state
 from .checkpoint_save import module_names
 from .checkpoint_sync import agree, all_gather_object
+from .publish import publish_masters
 
 logger = logging.getLogger("zeroshard")
 
@@ -304,8 +305,9 @@ def _write_into_engine(engine: Any, loaded: _Loaded) -> None:
                 }
         if loaded.param_groups is not None:
             _restore_param_groups(engine.optimizer, loaded.param_groups, loaded.lr_only)
+        # A collective at stages 1-2 (same flats, same order on every rank).
+        publish_masters(engine.flats, engine.config.zero_optimization.allgather_bucket_size)
         for flat in engine.flats:
-            flat.publish_master()  # collective at stages 1-2; same order on every rank
             if flat.param_shard is not None:
                 flat.free_full()  # stage 3: a gathered copy would be stale; the next use re-gathers
         tensors = dict(module.named_parameters(remove_duplicate=False))

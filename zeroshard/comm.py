@@ -132,8 +132,9 @@ class _CopyAfterWait:
 
 
 def _reduce_scatter_runs_as_all_reduce(group) -> bool:
-    """On gloo an all-reduce of the whole buffer beats its reduce-scatter: measured 1.5-1.8x
-    faster at 0.2-10 M elements on 2 ranks (benchmarks/collectives.py, docs/benchmarks.md).
+    """On gloo an all-reduce of the whole buffer beats its reduce-scatter: the reduce-scatter
+    took 1.1-2.4x as long at 0.2-10 M elements on 2 ranks (benchmarks/collectives.py,
+    docs/benchmarks.md).
     NCCL's reduce-scatter moves half the bytes of its all-reduce, so it is used there."""
     return dist.get_backend(group) == "gloo"
 

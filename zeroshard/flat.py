@@ -182,34 +182,22 @@ class FlatParamGroup:
         self.start_gather(tag, exact)
         self.finish_gather()
 
-    def _all_gather_into_full(self, shard: torch.Tensor, wire_dtype: torch.dtype, tag: str):
-        if wire_dtype == self.full.dtype:
-            # A copy, because the input may alias the output's own shard slice.
-            comm.all_gather(self.full, shard.to(wire_dtype, copy=True), tag=tag)
-        else:
-            wire = torch.empty(self.padded_numel, dtype=wire_dtype, device=self.device)
-            comm.all_gather(wire, shard.to(wire_dtype), tag=tag)
-            self.full.copy_(wire)
-
     def needs_gather_to_publish(self) -> bool:
         """Stages 1-2: the master is a shard but every rank keeps the full parameters, so
         publishing is an all-gather (zeroshard/publish.py buckets those across flats)."""
         return self.policy.shard_optimizer and self.param_shard is None
 
     def publish_master(self) -> None:
-        """After an optimizer step: make the module parameters equal the new master values."""
-        role = self.role
+        """After an optimizer step, without communication (stages 0 and 3): make the module
+        parameters (stage 3: this rank's parameter shard) equal the new master values. Stages
+        1-2 publish through `zeroshard.publish.publish_masters`, which all-gathers."""
+        assert not self.needs_gather_to_publish(), "stages 1-2 publish with publish_masters"
         with torch.no_grad():
-            if not self.policy.shard_optimizer:
-                if not role.master_is_param:
-                    self.full.copy_(self.master)
-                return
             if self.param_shard is not None:  # stage 3: params stay sharded
                 if self.param_shard is not self.master:
                     self.param_shard.copy_(self.master)
-                return
-            # Stages 1 and 2: every rank needs the whole updated buffer, in the param dtype.
-            self._all_gather_into_full(self.master, role.param_dtype, tag="param")
+            elif not self.role.master_is_param:  # stage 0 with a separate master
+                self.full.copy_(self.master)
 
     # -------------------------------------------------------------- gradients
     def _restart_local(self, buffer: torch.Tensor) -> None:
