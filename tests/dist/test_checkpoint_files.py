@@ -24,7 +24,7 @@ from tests.dist.test_checkpoint_helpers import (
     snapshot,
     train,
 )
-from zeroshard import checkpoint_save
+from zeroshard.checkpoint import save as checkpoint_save
 from zeroshard.checkpoint import CheckpointError, consolidate_fp32, write_fp32
 from zeroshard.cli import main as cli_main
 

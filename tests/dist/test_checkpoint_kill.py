@@ -24,8 +24,8 @@ from tests.dist.test_checkpoint_helpers import make_engine, train
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STAGE, MODE = 1, "bf16"
-CRASH_ENV = "ZEROSHARD_CHECKPOINT_CRASH_AT"  # zeroshard.checkpoint_save.CRASH_ENV
-CRASH_EXIT_CODE = 17  # zeroshard.checkpoint_save.CRASH_EXIT_CODE
+CRASH_ENV = "ZEROSHARD_CHECKPOINT_CRASH_AT"  # zeroshard.checkpoint.save.CRASH_ENV
+CRASH_EXIT_CODE = 17  # zeroshard.checkpoint.save.CRASH_EXIT_CODE
 SCRIPT_TIMEOUT_S = 180  # imports and process-group set-up on a loaded 2-core machine
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from zeroshard.checkpoint_format import (
+from zeroshard.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
@@ -24,8 +24,8 @@ from zeroshard.checkpoint_format import (
     resolve_checkpoint_dir,
     validate_tag,
 )
-from zeroshard.checkpoint_rng import capture_rng_state, restore_rng_state
-from zeroshard.checkpoint_save import json_roundtrips
+from zeroshard.checkpoint.rng import capture_rng_state, restore_rng_state
+from zeroshard.checkpoint.save import json_roundtrips
 
 # A parameter "w" of shape (2, 5) split over two ranks: rank 0 holds elements 0..5 at
 # position 2 of its flat0 slice (behind 2 elements of another parameter "b"), rank 1 holds

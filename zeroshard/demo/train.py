@@ -10,8 +10,6 @@ and it resumes from the last checkpoint.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import time
@@ -146,14 +144,13 @@ def generate_sample(engine, num_bytes: int, seed: int) -> str:
 def precision_plan_text(config_path: Path, world_size: int, model: str, plan) -> str:
     """What `zeroshard explain CONFIG --model MODEL --world-size W` prints: the precision plan
     per parameter group and the memory estimate. Falls back to the engine's plan as text."""
-    from zeroshard.cli import main as zeroshard_cli
+    from zeroshard.explain import ConfigError, UsageError, explain_text
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exit_code = zeroshard_cli(["explain", str(config_path), "--model", model, "--world-size", str(world_size)])
-    if exit_code != 0:
+    try:
+        text = explain_text(str(config_path), world_size, model)
+    except (ConfigError, UsageError):
         return f"engine.precision_plan = {plan}"
-    return f"$ zeroshard explain {config_path} --model {model} --world-size {world_size}\n\n{out.getvalue()}"
+    return f"$ zeroshard explain {config_path} --model {model} --world-size {world_size}\n\n{text}"
 
 
 def main(argv: list[str] | None = None) -> int:

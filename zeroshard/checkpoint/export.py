@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint_format import CheckpointReader, fsync_file, resolve_checkpoint_dir
-from .checkpoint_save import module_names
-from .checkpoint_sync import agree
+from .format import CheckpointReader, fsync_file, resolve_checkpoint_dir
+from .save import module_names
+from .sync import agree
 
 
 def consolidate_fp32(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:

@@ -14,16 +14,16 @@
 - `save_16bit_model(engine, save_dir, save_filename)`: consolidated weights in the
   parameter dtype, for inference.
 
-The format is described in [Note: checkpoint layout] (checkpoint_format.py) and
+The format is described in [Note: checkpoint layout] (format.py) and
 docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
-from .checkpoint_export import consolidate_fp32, save_16bit_model, write_fp32
-from .checkpoint_format import CheckpointError
-from .checkpoint_load import load_checkpoint
-from .checkpoint_save import save_checkpoint
+from .export import consolidate_fp32, save_16bit_model, write_fp32
+from .format import CheckpointError
+from .load import load_checkpoint
+from .save import save_checkpoint
 
 __all__ = [
     "CheckpointError",

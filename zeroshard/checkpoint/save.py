@@ -1,6 +1,6 @@
 """Writing a checkpoint: every rank its own shards, rank 0 the index, then one atomic rename.
 
-The sequence (see [Note: checkpoint layout] in checkpoint_format.py for what is written):
+The sequence (see [Note: checkpoint layout] in format.py for what is written):
 
 1. rank 0 makes `save_dir/.<tag>.tmp` (removing a leftover of a save that died);
 2. every rank writes `rank_<r>.safetensors` there and fsyncs it;
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint_format import (
+from .format import (
     EXTRAS_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -46,8 +46,8 @@ from .checkpoint_format import (
     validate_tag,
     write_text_atomic,
 )
-from .checkpoint_rng import capture_rng_state
-from .checkpoint_sync import agree, all_gather_object, describe
+from .rng import capture_rng_state
+from .sync import agree, all_gather_object, describe
 
 logger = logging.getLogger("zeroshard")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .checkpoint_format import CheckpointError
+from .format import CheckpointError
 
 
 def _distributed() -> bool:

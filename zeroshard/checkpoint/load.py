@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint_format import (
+from ..publish import publish_masters
+from .format import (
     MASTER_KIND,
     PYTHON_STATE_FILE,
     CheckpointError,
@@ -33,10 +34,9 @@ from .checkpoint_format import (
     state_kind,
     validate_tag,
 )
-from .checkpoint_rng import RNG_PREFIX, restore_rng_state
-from .checkpoint_save import module_names
-from .checkpoint_sync import agree, all_gather_object
-from .publish import publish_masters
+from .rng import RNG_PREFIX, restore_rng_state
+from .save import module_names
+from .sync import agree, all_gather_object
 
 logger = logging.getLogger("zeroshard")
 
