@@ -46,6 +46,7 @@ def initialize(
     """
     from .config import ConfigError, load_config
     from .engine import Engine
+    from .layout import ParallelLayout
     from .precision import resolve_precision_plan
 
     if model is None:
@@ -63,9 +64,10 @@ def initialize(
         init_distributed()
     cfg = load_config(raw, world_size=comm.world_size())
     plan = resolve_precision_plan(cfg)
+    layout = ParallelLayout.build(cfg.zeroshard.shard_group_size)
     engine = Engine(
         model, cfg, plan, optimizer=optimizer, model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
+        lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 

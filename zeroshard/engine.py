@@ -25,6 +25,7 @@ from .backward import BackwardCoordinator, wrap_outputs
 from .config import ZeroshardConfig
 from .flat import FlatParamGroup
 from .grad_reduce import GradientReducer
+from .layout import ParallelLayout
 from .loss_scale import make_loss_scaler
 from .optim import build_optimizer, muon, repoint_optimizer
 from .precision import PrecisionPlan, assign_param_groups
@@ -81,12 +82,14 @@ class Engine:
         lr_scheduler: Any = None,
         training_data: Any = None,
         collate_fn: Any = None,
+        layout: ParallelLayout | None = None,
     ) -> None:
         self.config = config
         self.precision_plan = plan
         self.policy = stage_policy(config.zero_optimization.stage)
-        self.world_size = comm.world_size()
-        self.global_rank = comm.rank()
+        self.layout = layout if layout is not None else ParallelLayout.build(config.zeroshard.shard_group_size)
+        self.world_size = self.layout.world_size
+        self.global_rank = self.layout.rank
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -180,7 +183,7 @@ class Engine:
             flats = [
                 FlatParamGroup(
                     spec.name, names, params, self.precision_plan.groups[role_name],
-                    opt_group, policy, self.device,
+                    opt_group, policy, self.device, self.layout.dense,
                 )
                 for (role_name, opt_group), (names, params) in classes.items()
             ]
@@ -480,10 +483,13 @@ class Engine:
         for flat in self.flats:
             grad = flat.master.grad
             shard = grad if self.policy.shard_optimizer else flat.shard_of(grad)
-            partials.append(shard.float().pow(2).sum())
+            partial = shard.float().pow(2).sum()
+            if flat.spec.replication > 1:  # counted once per tensor: see zeroshard/layout.py
+                partial = partial / flat.spec.replication
+            partials.append(partial)
         total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
         total = total.reshape(1).to(torch.float32)
-        comm.all_reduce(total, tag="norm")
+        comm.all_reduce(total, group=self.layout.world, tag="norm")
         return float(total.sqrt())
 
     def _clear_grads(self) -> None:

@@ -7,9 +7,11 @@ class, into one 1-D buffer:
     full         1-D, padded_numel elements, parameter dtype. Module parameters are views
                  into it. At stage 3 its storage is freed between uses (resized to 0 bytes;
                  the views stay attached and see the data again once it is re-gathered).
-    shard        this rank's slice of `full`: [rank * shard_numel, (rank+1) * shard_numel).
-                 padded_numel = shard_numel * world_size, so every rank owns an equal slice;
-                 the padding at the end is zeros and stays zero.
+    shard        this rank's slice of `full`: [r * shard_numel, (r+1) * shard_numel), r the
+                 rank's index in the flat's shard group (`spec.shard`, zeroshard/layout.py).
+                 padded_numel = shard_numel x shard group size, so every rank owns an equal
+                 slice; the padding at the end is zeros and stays zero. Ranks of one replica
+                 group (`spec.replicate`) hold the same shard.
     param_shard  stage 3 only: the persistent copy of this rank's slice in the parameter
                  dtype, the source of every all-gather.
     master       what the optimizer steps on: the whole buffer at stage 0, the shard at
@@ -29,7 +31,9 @@ import torch
 from torch import nn
 
 from . import comm
+from .layout import ShardingSpec
 from .precision import RolePlan
+from .ranges import overlap
 from .stages import StagePolicy
 
 
@@ -50,6 +54,7 @@ class FlatParamGroup:
         optimizer_group: int,
         policy: StagePolicy,
         device: torch.device,
+        spec: ShardingSpec | None = None,
     ) -> None:
         self.unit_name = unit_name
         self.names = names
@@ -58,8 +63,12 @@ class FlatParamGroup:
         self.optimizer_group = optimizer_group
         self.policy = policy
         self.device = device
-        self.world_size = comm.world_size()
-        self.rank = comm.rank()
+        if spec is None:  # no layout given: sharded over the whole world
+            world = comm.world_group()
+            spec = ShardingSpec(world, comm.self_group(world), world)
+        self.spec = spec
+        self.shard_size = spec.shard.size
+        self.shard_rank = spec.shard.rank
 
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
@@ -69,17 +78,17 @@ class FlatParamGroup:
             self.offsets.append(offset)
             offset += n
         self.numel = offset
-        ws = self.world_size
+        ws = self.shard_size
         self.shard_numel = max(1, -(-self.numel // ws))  # ceil, at least one element
         self.padded_numel = self.shard_numel * ws
-        self.shard_start = self.rank * self.shard_numel
+        self.shard_start = self.shard_rank * self.shard_numel
 
         self.full = torch.zeros(self.padded_numel, dtype=role.param_dtype, device=device)
         with torch.no_grad():
             for p, off, n in zip(params, self.offsets, self.numels, strict=False):
                 self.full[off : off + n].copy_(p.detach().reshape(-1))
-        # Every rank starts from rank 0's values, as DeepSpeed does.
-        comm.broadcast(self.full, src=0, tag="init")
+        # Every rank starts from the first peer's values (rank 0's for dense flats), as DeepSpeed does.
+        comm.broadcast(self.full, src=spec.peers.ranks[0], group=spec.peers, tag="init")
         self._attach_views()
         self.state = ShardState.UNSHARDED
 
@@ -107,10 +116,13 @@ class FlatParamGroup:
 
     def param_range_in_shard(self, index: int) -> tuple[int, int, int] | None:
         """(start in shard, start in param, length) of param `index`'s overlap with the shard."""
-        lo = max(self.offsets[index], self.shard_start)
-        hi = min(self.offsets[index] + self.numels[index], self.shard_start + self.shard_numel)
-        if lo >= hi:
+        common = overlap(
+            self.offsets[index], self.offsets[index] + self.numels[index],
+            self.shard_start, self.shard_start + self.shard_numel,
+        )
+        if common is None:
             return None
+        lo, hi = common
         return lo - self.shard_start, lo - self.offsets[index], hi - lo
 
     def _attach_views(self) -> None:
@@ -158,10 +170,10 @@ class FlatParamGroup:
         wire_dtype = self.full.dtype if exact else self.role.gather_dtype
         if wire_dtype == self.full.dtype:
             wire = None
-            work = comm.all_gather(self.full, self.param_shard.clone(), tag=tag, async_op=True)
+            work = comm.all_gather(self.full, self.param_shard.clone(), group=self.spec.shard, tag=tag, async_op=True)
         else:
             wire = torch.empty(self.padded_numel, dtype=wire_dtype, device=self.device)
-            work = comm.all_gather(wire, self.param_shard.to(wire_dtype), tag=tag, async_op=True)
+            work = comm.all_gather(wire, self.param_shard.to(wire_dtype), group=self.spec.shard, tag=tag, async_op=True)
         self._pending_gather = (work, wire)
 
     def finish_gather(self) -> None:

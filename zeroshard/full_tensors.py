@@ -43,7 +43,7 @@ def _full_flat(flat: FlatParamGroup, master_layout: torch.Tensor) -> torch.Tenso
     if not flat.policy.shard_optimizer:
         return master_layout
     full = torch.empty(flat.padded_numel, dtype=master_layout.dtype, device=master_layout.device)
-    comm.all_gather(full, master_layout.contiguous(), tag="full_tensor")
+    comm.all_gather(full, master_layout.contiguous(), group=flat.spec.shard, tag="full_tensor")
     return full
 
 
@@ -67,7 +67,7 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     engine, flat, index = _locate(param)
     reduced = flat.reduced_grad
     has_any = torch.tensor([0 if reduced is None else 1], device=flat.device)
-    comm.all_reduce(has_any, op=torch.distributed.ReduceOp.MAX, tag="full_tensor")
+    comm.all_reduce(has_any, group=flat.spec.shard, op=torch.distributed.ReduceOp.MAX, tag="full_tensor")
     if int(has_any) == 0:
         return None
     if reduced is None:

@@ -42,6 +42,7 @@ import torch
 
 from . import comm
 from .flat import FlatParamGroup
+from .layout import ShardingSpec
 
 
 @dataclass
@@ -62,6 +63,7 @@ class _Bucket:
     used: int = 0  # columns filled
     work: object = None  # the collective's handle once issued
     result: torch.Tensor | None = None  # what the collective writes: (rows or 1, used)
+    spec: ShardingSpec | None = None  # the groups the bucket is reduced over
 
     @property
     def capacity(self) -> int:
@@ -87,10 +89,12 @@ class GradientReducer:
         self.bucket_numel = max(1, bucket_numel)
         self._total_cols: dict[tuple, int] = {}
         self._devices: dict[tuple, torch.device] = {}
+        self._specs: dict[tuple, ShardingSpec] = {}
         for flat in flats:
             key = self._key(flat)
             self._total_cols[key] = self._total_cols.get(key, 0) + self._cols(flat)
             self._devices[key] = flat.device
+            self._specs[key] = flat.spec
         self._added_cols: dict[tuple, int] = {}
         self._open: dict[tuple, _Bucket] = {}  # the bucket being filled, per key
         self._issued: list[_Bucket] = []  # collectives in flight, in issue order (at most one)
@@ -98,19 +102,23 @@ class GradientReducer:
     # ----------------------------------------------------------------- layout
     @staticmethod
     def _key(flat: FlatParamGroup) -> tuple:
-        # Flats that can share a collective: same kind of reduction and the same dtypes.
-        return (flat.policy.scatter, flat.role.grad_accum_dtype, flat.role.reduce_dtype)
+        # Flats that can share a collective: same kind of reduction, the same dtypes, the same groups.
+        spec = flat.spec
+        return (
+            flat.policy.scatter, flat.role.grad_accum_dtype, flat.role.reduce_dtype,
+            spec.shard.ranks, spec.replicate.ranks,
+        )
 
     @staticmethod
     def _cols(flat: FlatParamGroup) -> int:
-        return flat.padded_numel // flat.world_size
+        return flat.padded_numel // flat.shard_size
 
     # ------------------------------------------------------------------- add
     def add(self, flat: FlatParamGroup) -> None:
         """Queue `flat`'s local gradient (zeros if it has none) for reduction."""
         local = flat.settled_local_grad()
         key = self._key(flat)
-        rows, cols = flat.world_size, self._cols(flat)
+        rows, cols = flat.shard_size, self._cols(flat)
         acc_dtype, wire_dtype = flat.role.grad_accum_dtype, flat.role.reduce_dtype
         # In place when nothing reduced is waiting: the local buffer (stage 0) or its own
         # shard (stage 1) becomes the reduced gradient, so no second gradient buffer exists.
@@ -164,15 +172,16 @@ class GradientReducer:
         self._complete_issued()
         bucket = self._open.pop(key)
         scatter = key[0]
+        bucket.spec = spec = self._specs[key]
         data = bucket.staging[:, : bucket.used]
         if bucket.used < bucket.capacity:
             data = data.contiguous()  # rank-major rows for the reduce-scatter
         if scatter:
             out = torch.empty(bucket.used, dtype=data.dtype, device=data.device)
-            bucket.work = comm.reduce_scatter(out, data.view(-1), tag="grad", async_op=True)
+            bucket.work = comm.reduce_scatter(out, data.view(-1), group=spec.shard, tag="grad", async_op=True)
             bucket.result = out.view(1, -1)  # this rank's row
         else:
-            bucket.work = comm.all_reduce(data, tag="grad", async_op=True)
+            bucket.work = comm.all_reduce(data, group=spec.shard, tag="grad", async_op=True)
             bucket.result = data  # every row
         self._issued.append(bucket)
 
@@ -188,6 +197,9 @@ class GradientReducer:
         for bucket in issued:
             if bucket.work is not None:
                 bucket.work.wait()
+            if bucket.spec.replication > 1:
+                # Hybrid sharding: the shard group's sum, summed again over the replicas.
+                comm.all_reduce(bucket.result, group=bucket.spec.replicate, tag="grad")
             for piece in bucket.pieces:
                 self._complete(piece, bucket.result[:, piece.offset : piece.offset + piece.c1 - piece.c0])
 
@@ -200,7 +212,7 @@ class GradientReducer:
         if flat.policy.scatter:
             result = result[0]
         else:
-            reduced = reduced.view(flat.world_size, -1)
+            reduced = reduced.view(flat.shard_size, -1)
         target = reduced[..., piece.c0 : piece.c1]
         if piece.in_place:
             target.copy_(result)  # the reduced gradient is (part of) the local buffer: adopted in `add`

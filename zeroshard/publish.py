@@ -36,14 +36,14 @@ class _GatherPiece:
 def publish_masters(flats: list[FlatParamGroup], bucket_numel: int) -> None:
     """Write every flat's updated master into its module parameters (a collective at stages
     1-2: every rank must call it with the same flats in the same order)."""
-    gathered: dict[torch.dtype, list[FlatParamGroup]] = {}
+    gathered: dict[tuple, list[FlatParamGroup]] = {}
     for flat in flats:
         if flat.needs_gather_to_publish():
-            gathered.setdefault(flat.role.param_dtype, []).append(flat)
+            gathered.setdefault((flat.role.param_dtype, flat.spec.shard.ranks), []).append(flat)
         else:
             flat.publish_master()
     in_flight = []
-    for dtype, group in gathered.items():
+    for (dtype, _), group in gathered.items():
         for pieces, columns in _plan_buckets(group, bucket_numel):
             in_flight.append(_start_bucket(pieces, columns, dtype))
     for work, output, pieces in in_flight:
@@ -52,13 +52,13 @@ def publish_masters(flats: list[FlatParamGroup], bucket_numel: int) -> None:
         with torch.no_grad():
             for piece in pieces:
                 n = piece.c1 - piece.c0
-                full = piece.flat.full.view(piece.flat.world_size, -1)
+                full = piece.flat.full.view(piece.flat.shard_size, -1)
                 full[:, piece.c0 : piece.c1].copy_(output[:, piece.offset : piece.offset + n])
 
 
 def _plan_buckets(flats: list[FlatParamGroup], bucket_numel: int) -> list[tuple[list[_GatherPiece], int]]:
     """Cut the flats' shard columns, in order, into buckets of at most bucket_numel // W columns."""
-    world_size = flats[0].world_size
+    world_size = flats[0].shard_size
     capacity = max(1, bucket_numel // world_size)
     buckets: list[tuple[list[_GatherPiece], int]] = []
     pieces: list[_GatherPiece] = []
@@ -84,6 +84,6 @@ def _start_bucket(pieces: list[_GatherPiece], columns: int, dtype: torch.dtype):
     for piece in pieces:
         # Cast (if the master is wider) while copying: the wire carries the parameter dtype.
         mine[piece.offset : piece.offset + piece.c1 - piece.c0].copy_(piece.flat.master[piece.c0 : piece.c1])
-    output = torch.empty(flat0.world_size, columns, dtype=dtype, device=flat0.device)
-    work = comm.all_gather(output, mine, tag="param", async_op=True)
+    output = torch.empty(flat0.shard_size, columns, dtype=dtype, device=flat0.device)
+    work = comm.all_gather(output, mine, group=flat0.spec.shard, tag="param", async_op=True)
     return work, output, pieces

@@ -52,7 +52,7 @@ def GatheredParameters(
         if modifier_rank is not None:
             with torch.no_grad():
                 for flat, old in zip(ordered, before, strict=True):
-                    comm.broadcast(flat.full, src=modifier_rank, tag="gathered_parameters")
+                    comm.broadcast(flat.full, group=flat.spec.peers, src=modifier_rank, tag="gathered_parameters")
                     _write_back(flat, changed=flat.full.ne(old))
         for flat in gathered_here:
             flat.free_full()

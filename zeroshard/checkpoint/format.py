@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..ranges import overlap
+
 FORMAT_NAME = "zeroshard-checkpoint"
 FORMAT_VERSION = 1
 
@@ -346,10 +348,10 @@ class CheckpointReader:
         pieces = []
         stop = start + length
         for frag in sorted(entry["fragments"], key=lambda f: f["offset"]):
-            lo = max(start, frag["offset"])
-            hi = min(stop, frag["offset"] + frag["numel"])
-            if lo >= hi:
+            common = overlap(start, stop, frag["offset"], frag["offset"] + frag["numel"])
+            if common is None:
                 continue
+            lo, hi = common
             begin = frag["start"] + lo - frag["offset"]
             piece = self._get(rank_file_name(frag["rank"]), tensor_name(kind, frag["tensor"]), begin, begin + hi - lo)
             if piece.numel() != hi - lo:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..publish import publish_masters
+from ..ranges import overlap
 from .format import (
     MASTER_KIND,
     PYTHON_STATE_FILE,
@@ -121,9 +122,9 @@ def _assemble(flat: Any, read, kind: str, dtype: torch.dtype) -> torch.Tensor:
     master_start, master_len = flat.master_range()
     out = torch.zeros(master_len, dtype=dtype)
     for i, name in enumerate(flat.names):
-        lo = max(flat.offsets[i], master_start)
-        hi = min(flat.offsets[i] + flat.numels[i], master_start + master_len)
-        if lo < hi:
+        common = overlap(flat.offsets[i], flat.offsets[i] + flat.numels[i], master_start, master_start + master_len)
+        if common is not None:
+            lo, hi = common
             out[lo - master_start : hi - master_start].copy_(read(name, kind, lo - flat.offsets[i], hi - lo))
     return out
 
