@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .gather import Gathering, GatherPiece, all_gather_shards
 from .layout import ShardingSpec
 from .precision import RolePlan
 from .ranges import overlap
@@ -92,7 +93,7 @@ class FlatParamGroup:
         self._attach_views()
         self.state = ShardState.UNSHARDED
 
-        self._pending_gather: tuple | None = None  # (work handle, wire buffer) in flight
+        self._pending_gather: Gathering | None = None  # the all-gather in flight
         self.param_shard: torch.Tensor | None = None
         if not policy.keep_full_params:
             self.param_shard = self.shard_of(self.full).clone()
@@ -167,24 +168,16 @@ class FlatParamGroup:
             return
         assert self.param_shard is not None
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        wire_dtype = self.full.dtype if exact else self.role.gather_dtype
-        if wire_dtype == self.full.dtype:
-            wire = None
-            work = comm.all_gather(self.full, self.param_shard.clone(), group=self.spec.shard, tag=tag, async_op=True)
-        else:
-            wire = torch.empty(self.padded_numel, dtype=wire_dtype, device=self.device)
-            work = comm.all_gather(wire, self.param_shard.to(wire_dtype), group=self.spec.shard, tag=tag, async_op=True)
-        self._pending_gather = (work, wire)
+        self._pending_gather = all_gather_shards(
+            [GatherPiece(self.param_shard, self.full)], group=self.spec.shard, tag=tag,
+            wire_dtype=None if exact else self.role.gather_dtype,
+        )
 
     def finish_gather(self) -> None:
         if self._pending_gather is None:
             return
-        work, wire = self._pending_gather
-        self._pending_gather = None
-        if work is not None:
-            work.wait()
-        if wire is not None:
-            self.full.copy_(wire)
+        pending, self._pending_gather = self._pending_gather, None
+        pending.wait()
         self.state = ShardState.UNSHARDED
 
     def gather_full(self, tag: str = "param", exact: bool = False) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .gather import GatherPiece, all_gather_shards
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -43,7 +44,8 @@ def _full_flat(flat: FlatParamGroup, master_layout: torch.Tensor) -> torch.Tenso
     if not flat.policy.shard_optimizer:
         return master_layout
     full = torch.empty(flat.padded_numel, dtype=master_layout.dtype, device=master_layout.device)
-    comm.all_gather(full, master_layout.contiguous(), group=flat.spec.shard, tag="full_tensor")
+    # Exact: the helpers return the values as stored.
+    all_gather_shards([GatherPiece(master_layout, full)], group=flat.spec.shard, tag="full_tensor").wait()
     return full
 
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .. import comm
+from ..gather import GatherPiece, all_gather_shards
 from ..ranges import overlap
 from .newton_schulz import (
     DEFAULT_NS_STEPS,
@@ -534,7 +534,7 @@ class ShardedMuon(torch.optim.Optimizer):
             # A narrower wire dtype changes nothing: NS casts its input to it first.
             wire = compute_dtype if compute_dtype.itemsize < u.dtype.itemsize else u.dtype
             full_u = torch.empty(flat.padded_numel, dtype=wire, device=u.device)
-            comm.all_gather(full_u, u.to(wire), group=flat.spec.shard, tag="muon")
+            all_gather_shards([GatherPiece(u, full_u)], group=flat.spec.shard, tag="muon", wire_dtype=wire).wait()
 
         packed = torch.zeros(layout.pack_numel, dtype=compute_dtype, device=p.device)
         mine: dict[tuple[int, int], list[_MatrixTask]] = {}
@@ -548,7 +548,7 @@ class ShardedMuon(torch.optim.Optimizer):
                 packed.narrow(0, t.pack_offset, t.numel).copy_(o.reshape(-1))
         if flat.shard_size > 1:
             every = torch.empty(flat.shard_size * layout.pack_numel, dtype=compute_dtype, device=p.device)
-            comm.all_gather(every, packed, group=flat.spec.shard, tag="muon")
+            all_gather_shards([GatherPiece(packed, every)], group=flat.spec.shard, tag="muon").wait()
         else:
             every = packed
 
