@@ -204,6 +204,38 @@ class FlatParamGroup:
             elif not self.role.master_is_param:  # stage 0 with a separate master
                 self.full.copy_(self.master)
 
+    # ------------------------------------------------- writes from outside training
+    def load_master(self, values: torch.Tensor) -> None:
+        """Set the master weights (laid out as `master_range()` says) from a checkpoint. The
+        module parameters follow at the next `publish_masters`; call `free_full` afterwards
+        at stage 3 (a gathered copy would be stale)."""
+        with torch.no_grad():
+            self.master.copy_(values.to(self.master.device))
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Install `state` (elementwise tensors laid out like the master) as `optimizer`'s
+        state for this flat's master, on the master's device."""
+        optimizer.state[self.master] = {
+            k: v.to(self.master.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            for k, v in state.items()
+        }
+
+    def write_back_full(self, changed: torch.Tensor) -> None:
+        """Make the parameter shard and the master agree with `full` where `changed` (a
+        full-size mask) is set; an untouched element keeps its master value (a bf16
+        parameter must not round an fp32 master it did not change). GatheredParameters'
+        modifier path."""
+        full = self.full
+        with torch.no_grad():
+            if self.param_shard is not None:
+                shard_changed = self.shard_of(changed)
+                self.param_shard.copy_(torch.where(shard_changed, self.shard_of(full), self.param_shard))
+            source = full if not self.policy.shard_optimizer else self.shard_of(full)
+            if self.master is source or self.master is self.param_shard or self.role.master_is_param:
+                return  # the master is the parameter buffer itself: already written
+            mask = changed if not self.policy.shard_optimizer else self.shard_of(changed)
+            self.master.copy_(torch.where(mask, source.to(self.master.dtype), self.master))
+
     # -------------------------------------------------------------- gradients
     def _restart_local(self, buffer: torch.Tensor) -> None:
         """`buffer` becomes the local gradient of a new accumulation: every parameter's region
@@ -252,14 +284,43 @@ class FlatParamGroup:
             )
         return self.reduced_grad
 
-    def adopt_local_as_reduced(self) -> None:
-        """An in-place reduction: the local buffer (or its shard) becomes the reduced gradient,
-        so stages 0 and 1 keep one full gradient buffer, not a second for the result."""
-        base = self.local_grad
-        assert base is not None and self.reduced_grad is None
-        self.reduced_grad = self.shard_of(base) if self.policy.scatter else base
-        self._reduced_in_local = base
-        self.local_grad = None
+    def begin_reduction(self) -> tuple[torch.Tensor, bool]:
+        """Hand the local gradient to the reducer: (the settled local buffer, in place).
+
+        In place when nothing reduced is waiting at stages 0-1: the local buffer (or its
+        shard) becomes the reduced gradient and the reducer writes the result back into it,
+        so those stages keep one full gradient buffer, not a second for the result.
+        Otherwise the reducer copies the values out, accumulates the result into
+        `reduced_grad_buffer()` and calls `end_reduction`.
+        """
+        local = self.settled_local_grad()
+        in_place = (
+            self.reduced_grad is None
+            and local.dtype == self.role.grad_accum_dtype
+            and not self.policy.reduce_every_backward
+        )
+        if in_place:
+            self.reduced_grad = self.shard_of(local) if self.policy.scatter else local
+            self._reduced_in_local = local
+            self.local_grad = None
+        return local, in_place
+
+    def end_reduction(self) -> None:
+        """The local values were copied out for reduction: zero the persistent buffer
+        (stages 0-1) or free it (2-3)."""
+        if self.local_grad is None:
+            return
+        if self.policy.reduce_every_backward:
+            self.local_grad = None
+        else:
+            self._restart_local(self.local_grad)
+
+    def drop_grads(self) -> None:
+        """Forget every accumulated gradient, local and reduced (zero_grad)."""
+        self.master.grad = None
+        if self.local_grad is not None:
+            self.end_reduction()
+        self.clear_reduced()
 
     def clear_reduced(self) -> None:
         """After a step (or zero_grad): zero the reduced gradient; a buffer that was the local
@@ -270,15 +331,6 @@ class FlatParamGroup:
                 self._restart_local(base)  # no zero fill: see `accumulate`
         elif self.reduced_grad is not None:
             self.reduced_grad.zero_()
-
-    def release_local_grad(self) -> None:
-        """After a reduction: zero the persistent buffer (stages 0-1) or free it (2-3)."""
-        if self.local_grad is None:
-            return
-        if self.policy.reduce_every_backward:
-            self.local_grad = None
-        else:
-            self._restart_local(self.local_grad)
 
     def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         return flat.narrow(0, self.offsets[index], self.numels[index]).view(self.shapes[index])

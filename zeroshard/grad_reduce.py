@@ -116,25 +116,17 @@ class GradientReducer:
     # ------------------------------------------------------------------- add
     def add(self, flat: FlatParamGroup) -> None:
         """Queue `flat`'s local gradient (zeros if it has none) for reduction."""
-        local = flat.settled_local_grad()
         key = self._key(flat)
         rows, cols = flat.shard_size, self._cols(flat)
         acc_dtype, wire_dtype = flat.role.grad_accum_dtype, flat.role.reduce_dtype
-        # In place when nothing reduced is waiting: the local buffer (stage 0) or its own
-        # shard (stage 1) becomes the reduced gradient, so no second gradient buffer exists.
-        # Stages 2-3 free the local buffer instead (it is transient there).
-        in_place = (
-            flat.reduced_grad is None
-            and local.dtype == acc_dtype
-            and not flat.policy.reduce_every_backward
-        )
+        # In place (stages 0-1, nothing reduced waiting): the local buffer (stage 0) or its
+        # own shard (stage 1) is already the reduced gradient, so no second gradient buffer
+        # exists. It is adopted before staging: issuing a full bucket below may complete an
+        # earlier piece of this very flat, whose result then lands in it; it only writes
+        # columns already staged. Otherwise (stages 2-3) the local buffer is freed below.
+        local, in_place = flat.begin_reduction()
         matrix = local.view(rows, cols)
         divisor = self._divisor()
-        if in_place:
-            # Adopt before staging: issuing a full bucket below may complete an earlier piece
-            # of this very flat, whose result then lands in the (adopted) reduced gradient. It
-            # only writes columns already staged.
-            flat.adopt_local_as_reduced()
         c0 = 0
         while c0 < cols:
             bucket = self._open.get(key)
@@ -156,7 +148,7 @@ class GradientReducer:
             if bucket.used == bucket.capacity:
                 self._issue(key)
         if not in_place:
-            flat.release_local_grad()  # every piece was copied into a bucket above
+            flat.end_reduction()  # every piece was copied into a bucket above
 
     def _new_bucket(self, key: tuple, rows: int, wire_dtype: torch.dtype) -> _Bucket:
         remaining = self._total_cols[key] - self._added_cols.get(key, 0)

@@ -297,20 +297,16 @@ def _write_into_engine(engine: Any, loaded: _Loaded) -> None:
     module = engine.module
     with torch.no_grad():
         for flat, master in zip(engine.flats, loaded.masters, strict=True):
-            flat.master.copy_(master.to(flat.master.device))
+            flat.load_master(master)
         if loaded.optimizer_states is not None:
             for flat, state in zip(engine.flats, loaded.optimizer_states, strict=True):
-                engine.optimizer.state[flat.master] = {
-                    k: v.to(flat.master.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                    for k, v in state.items()
-                }
+                flat.load_optimizer_state(engine.optimizer, state)
         if loaded.param_groups is not None:
             _restore_param_groups(engine.optimizer, loaded.param_groups, loaded.lr_only)
         # A collective at stages 1-2 (same flats, same order on every rank).
         publish_masters(engine.flats, engine.config.zero_optimization.allgather_bucket_size)
         for flat in engine.flats:
-            if flat.param_shard is not None:
-                flat.free_full()  # stage 3: a gathered copy would be stale; the next use re-gathers
+            flat.free_full()  # stage 3: a gathered copy would be stale; the next use re-gathers
         tensors = dict(module.named_parameters(remove_duplicate=False))
         tensors.update(module.named_buffers(remove_duplicate=False))
         for name, value in loaded.module_values.items():
