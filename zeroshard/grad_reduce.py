@@ -4,8 +4,9 @@ The one reduction every stage uses. Each flat buffer's local gradient is divided
 world_size x k (DESIGN section 4's gradient semantics), copied into a bucket in the wire
 dtype, and when the bucket is full (`reduce_bucket_size` elements, as in DeepSpeed) or the
 backward ends, the whole bucket is reduced by one collective: an all-reduce at stage 0, a
-reduce-scatter at stages 1-3. The results are then written (in the accumulation dtype) into
-each flat's reduced gradient.
+reduce-scatter at stages 1-3, over the flats' shard group; with hybrid sharding the result is
+then all-reduced over their replica group, so it sums over every rank. The results are then
+written (in the accumulation dtype) into each flat's reduced gradient.
 
 [Note: why buckets span units]
 A unit is often small (one transformer block); one collective per unit pays the
@@ -24,8 +25,9 @@ becomes the reduced gradient, or at stage 1 its own shard does), so they hold on
 gradient buffer, as before.
 
 [Note: bucket layout]
-With W ranks, a flat's local gradient is viewed as a (W, padded / W) matrix (row r is rank
-r's shard). A bucket is a (W, C) matrix whose column blocks are pieces of flats, so a
+With a shard group of S ranks (the world, unless hybrid sharding splits it: zeroshard/layout.py),
+a flat's local gradient is viewed as a (S, padded / S) matrix (row r is group rank r's shard).
+A bucket is a (S, C) matrix whose column blocks are pieces of flats, so a
 reduce-scatter of the bucket (rank-major, i.e. row by row) leaves rank r the r-th row:
 exactly its shard of every piece. Stage 0's all-reduce uses the same layout although any
 would do: each element then sits at the same place in the same-sized buffer at every stage,
