@@ -16,6 +16,7 @@ __all__ = [
     "split_params_into_shared_and_expert_params",
     "split_params_into_different_moe_groups_for_optimizer",
     "configure_moe_param_groups",
+    "attach_expert_groups",
 ]
 
 
@@ -117,3 +118,55 @@ def configure_moe_param_groups(model_parameters: list):
     if isinstance(first, dict) and not any("moe" in g for g in model_parameters):
         return split_params_into_different_moe_groups_for_optimizer(model_parameters)
     return model_parameters
+
+
+def attach_expert_groups(model: nn.Module) -> list[str]:
+    """Give every MoE layer of `model` its expert-parallel groups (built collectively, in
+    module order, so every rank builds the same groups in the same order); returns the expert
+    group names in use."""
+    from .layer import MoE
+
+    names: list[str] = []
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.set_deepspeed_parallelism()
+            if module.expert_group_name not in names:
+                names.append(module.expert_group_name)
+    return names
+
+
+def global_expert_names(model: nn.Module) -> dict[int, str]:
+    """id(expert parameter) -> its name with the local expert index replaced by the global
+    one (`...deepspeed_experts.<ep_rank * num_local_experts + j>...`): the name that means
+    the same tensor on every rank and for every ep_size (checkpoints key experts by it)."""
+    from .layer import MoE
+
+    names: dict[int, str] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        base = f"{prefix}." if prefix else ""
+        for j, expert in enumerate(module.deepspeed_moe.experts.deepspeed_experts):
+            g = module.global_expert_index(j)
+            for name, p in expert.named_parameters():
+                names[id(p)] = f"{base}deepspeed_moe.experts.deepspeed_experts.{g}.{name}"
+    return names
+
+
+def all_global_expert_names(model: nn.Module) -> dict[str, str]:
+    """Every global expert parameter name of `model` over all expert-parallel ranks -> the
+    name of this rank's local parameter of the same shape (local expert 0's)."""
+    from .layer import MoE
+
+    names: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        base = f"{prefix}deepspeed_moe.experts.deepspeed_experts." if not prefix else (
+            f"{prefix}.deepspeed_moe.experts.deepspeed_experts."
+        )
+        first = module.deepspeed_moe.experts.deepspeed_experts[0]
+        for g in range(module.num_experts):
+            for name, _ in first.named_parameters():
+                names[f"{base}{g}.{name}"] = f"{base}0.{name}"
+    return names

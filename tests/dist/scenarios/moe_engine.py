@@ -1,0 +1,140 @@
+"""Rank-side scenarios for tests/dist/test_moe_engine.py: an MoE model trained by the engine.
+
+The model's weights are a function of each parameter's global name (expert parameters named
+by their global expert index), and rank r's micro-batches are the same for every ep_size, so
+every ep_size must train the same model.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zeroshard
+from zeroshard.moe.layer import MoE
+from zeroshard.moe.utils import global_expert_names, split_params_into_different_moe_groups_for_optimizer
+
+HIDDEN, IN, OUT, TOKENS, NUM_EXPERTS = 8, 5, 3, 6, 4
+GA, STEPS, LR, CLIP = 2, 2, 1e-2, 0.5
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, ep_size: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        expert = nn.Sequential(nn.Linear(HIDDEN, 12), nn.GELU(), nn.Linear(12, HIDDEN))
+        self.moe = MoE(HIDDEN, expert, num_experts=NUM_EXPERTS, ep_size=ep_size, k=2, min_capacity=2)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, l_aux, _ = self.moe(self.norm(h))
+        return h + out, l_aux
+
+
+class MoENet(nn.Module):
+    """Dense embed and head around two MoE blocks (top-2, drops at capacity factor 1)."""
+
+    def __init__(self, ep_size: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList([MoEBlock(ep_size) for _ in range(2)])
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        aux = h.new_zeros(())
+        for block in self.blocks:
+            h, l_aux = block(h)
+            aux = aux + l_aux
+        return F.mse_loss(self.head(h).float(), y) + 0.01 * aux
+
+
+def global_names(model: nn.Module) -> dict[str, nn.Parameter]:
+    experts = global_expert_names(model)
+    return {experts.get(id(p), name): p for name, p in model.named_parameters()}
+
+
+def build_model(ep_size: int) -> MoENet:
+    model = MoENet(ep_size)
+    with torch.no_grad():
+        for name, p in global_names(model).items():
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            p.copy_(torch.randn(p.shape, generator=g) * (0.4 if p.dim() > 1 else 0.1))
+    return model
+
+
+def micro_batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + 100 * step + 10 * micro + rank)
+    return torch.randn(TOKENS, IN, generator=g), torch.randn(TOKENS, OUT, generator=g)
+
+
+def rng_seed(rank: int) -> int:
+    """Top-2's second-expert sampling draws from torch's RNG: the same draws for any ep_size."""
+    return 1234 + rank
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    ep_size: int
+    stage: int
+    mode: str = "fp32"
+    user_groups: bool = False  # model_parameters from split_params_into_different_moe_groups_for_optimizer
+
+    @property
+    def label(self) -> str:
+        return f"ep{self.ep_size}-stage{self.stage}-{self.mode}" + ("-user-groups" if self.user_groups else "")
+
+
+def engine_config(case: EngineCase) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": GA,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": case.stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 1000,
+    }
+    if case.mode == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def full_by_global_name(model: nn.Module, read) -> dict[str, torch.Tensor]:
+    """`read(p)` for every parameter, keyed by global name (a collective over each flat's group)."""
+    return {name: read(p) for name, p in global_names(model).items()}
+
+
+def train_cases(cases: list[EngineCase]) -> list[dict[str, Any]]:
+    rank = dist.get_rank()
+    results = []
+    for case in cases:
+        model = build_model(case.ep_size)
+        params = None
+        if case.user_groups:
+            params = split_params_into_different_moe_groups_for_optimizer(
+                {"params": list(model.parameters()), "name": "all", "lr": LR}
+            )
+        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=params, config=engine_config(case))
+        out_groups = [(g.get("name"), bool(g.get("moe")), len(g["params"])) for g in engine.optimizer.param_groups]
+        torch.manual_seed(rng_seed(rank))
+        out: dict[str, Any] = {"norms": [], "masters": [], "flat_groups": [], "optimizer_groups": out_groups}
+        for step in range(STEPS):
+            for micro in range(GA):
+                x, y = micro_batch(rank, step, micro)
+                engine.backward(engine(x, y))
+                if micro < GA - 1:
+                    engine.step()
+            if step == 0:
+                out["grad0"] = full_by_global_name(engine.module, zeroshard.safe_get_full_grad)
+            engine.step()
+            out["norms"].append(engine.get_global_grad_norm())
+            out["masters"].append(full_by_global_name(engine.module, zeroshard.safe_get_full_fp32_param))
+        out["flat_groups"] = sorted({(f.spec.shard.ranks, any(
+            getattr(p, "allreduce", True) is False for p in f.params)) for f in engine.flats})
+        results.append(out)
+    return results
