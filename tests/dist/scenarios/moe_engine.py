@@ -138,3 +138,48 @@ def train_cases(cases: list[EngineCase]) -> list[dict[str, Any]]:
             getattr(p, "allreduce", True) is False for p in f.params)) for f in engine.flats})
         results.append(out)
     return results
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _engine(case: EngineCase):
+    engine, _, _, _ = zeroshard.initialize(model=build_model(case.ep_size), config=engine_config(case))
+    return engine
+
+
+def _optimizer_step(engine, step: int) -> None:
+    rank = dist.get_rank()
+    for micro in range(GA):
+        x, y = micro_batch(rank, step, micro)
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def _snapshot(engine) -> dict[str, Any]:
+    return {
+        "master": full_by_global_name(engine.module, zeroshard.safe_get_full_fp32_param),
+        "exp_avg": full_by_global_name(engine.module, lambda p: zeroshard.safe_get_full_optimizer_state(p, "exp_avg")),
+    }
+
+
+def save_then_continue(case: EngineCase, root: str) -> dict[str, Any]:
+    """One step, save (tag "s1"), one more step: the state saved and the state after step 2."""
+    engine = _engine(case)
+    torch.manual_seed(rng_seed(dist.get_rank()))
+    _optimizer_step(engine, 0)
+    saved = _snapshot(engine)
+    engine.save_checkpoint(root, tag="s1")
+    _optimizer_step(engine, 1)
+    return {"saved": saved, "after": _snapshot(engine)}
+
+
+def load_then_continue(case: EngineCase, root: str, continue_training: bool = True) -> dict[str, Any]:
+    """Load tag "s1" into a fresh engine for `case`; the state loaded, and after step 2."""
+    engine = _engine(case)
+    engine.load_checkpoint(root, tag="s1")
+    loaded = _snapshot(engine)
+    if not continue_training:
+        return {"loaded": loaded}
+    _optimizer_step(engine, 1)
+    return {"loaded": loaded, "after": _snapshot(engine)}
