@@ -25,11 +25,11 @@ GA, STEPS, LR, CLIP = 2, 2, 1e-2, 0.5
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, ep_size: int) -> None:
+    def __init__(self, ep_size: int, k: int = 2) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(HIDDEN)
         expert = nn.Sequential(nn.Linear(HIDDEN, 12), nn.GELU(), nn.Linear(12, HIDDEN))
-        self.moe = MoE(HIDDEN, expert, num_experts=NUM_EXPERTS, ep_size=ep_size, k=2, min_capacity=2)
+        self.moe = MoE(HIDDEN, expert, num_experts=NUM_EXPERTS, ep_size=ep_size, k=k, min_capacity=2)
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, l_aux, _ = self.moe(self.norm(h))
@@ -39,10 +39,10 @@ class MoEBlock(nn.Module):
 class MoENet(nn.Module):
     """Dense embed and head around two MoE blocks (top-2, drops at capacity factor 1)."""
 
-    def __init__(self, ep_size: int) -> None:
+    def __init__(self, ep_size: int, k: int = 2) -> None:
         super().__init__()
         self.embed = nn.Linear(IN, HIDDEN)
-        self.blocks = nn.ModuleList([MoEBlock(ep_size) for _ in range(2)])
+        self.blocks = nn.ModuleList([MoEBlock(ep_size, k) for _ in range(2)])
         self.head = nn.Linear(HIDDEN, OUT)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -59,12 +59,16 @@ def global_names(model: nn.Module) -> dict[str, nn.Parameter]:
     return {experts.get(id(p), name): p for name, p in model.named_parameters()}
 
 
-def build_model(ep_size: int) -> MoENet:
-    model = MoENet(ep_size)
+def build_model(ep_size: int, skewed: bool = False) -> MoENet:
+    """`skewed`: top-1 with all-zero gate weights, so every token ties and goes to expert 0
+    (argmax takes the first): experts 1-3 get no token in the first step."""
+    model = MoENet(ep_size, k=1 if skewed else 2)
     with torch.no_grad():
         for name, p in global_names(model).items():
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             p.copy_(torch.randn(p.shape, generator=g) * (0.4 if p.dim() > 1 else 0.1))
+            if skewed and name.endswith("gate.wg.weight"):
+                p.zero_()
     return model
 
 
@@ -84,10 +88,14 @@ class EngineCase:
     stage: int
     mode: str = "fp32"
     user_groups: bool = False  # model_parameters from split_params_into_different_moe_groups_for_optimizer
+    skewed: bool = False  # every token to expert 0 (see build_model)
 
     @property
     def label(self) -> str:
-        return f"ep{self.ep_size}-stage{self.stage}-{self.mode}" + ("-user-groups" if self.user_groups else "")
+        return (
+            f"ep{self.ep_size}-stage{self.stage}-{self.mode}" + ("-user-groups" if self.user_groups else "")
+            + ("-skewed" if self.skewed else "")
+        )
 
 
 def engine_config(case: EngineCase) -> dict[str, Any]:
@@ -113,7 +121,7 @@ def train_cases(cases: list[EngineCase]) -> list[dict[str, Any]]:
     rank = dist.get_rank()
     results = []
     for case in cases:
-        model = build_model(case.ep_size)
+        model = build_model(case.ep_size, case.skewed)
         params = None
         if case.user_groups:
             params = split_params_into_different_moe_groups_for_optimizer(
