@@ -146,3 +146,13 @@ def test_experts_without_tokens_at_stage_3(runs) -> None:
     for name, grad in expert_grads.items():
         expert = int(name.split(".deepspeed_experts.")[1].split(".")[0])
         assert (torch.count_nonzero(grad) == 0) == (expert != 0), name
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_overflow_in_one_ranks_expert_skips_the_step_everywhere(dist_pool, stage) -> None:
+    from tests.dist.scenarios.moe_engine import overflow_on_one_rank
+
+    for rank, result in enumerate(dist_pool(WORLD).run(overflow_on_one_rank, stage, timeout=TIMEOUT_S)):
+        assert result["skipped"] == 1, rank
+        assert result["unchanged"], rank
+        assert result["scale"] == (256.0, 128.0), rank

@@ -191,3 +191,21 @@ def load_then_continue(case: EngineCase, root: str, continue_training: bool = Tr
         return {"loaded": loaded}
     _optimizer_step(engine, 1)
     return {"loaded": loaded, "after": _snapshot(engine)}
+
+
+def overflow_on_one_rank(stage: int) -> dict[str, Any]:
+    """fp16, ep_size 4: only rank 3's expert gradient is infinite. Every rank must skip the
+    step (the norm's all-reduce carries the inf), keep its parameters and halve the scale."""
+    case = EngineCase(4, stage)
+    config = engine_config(case)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}  # halve at the first overflow
+    engine, _, _, _ = zeroshard.initialize(model=build_model(4), config=config)
+    if dist.get_rank() == 3:
+        expert = next(p for p in engine.module.parameters() if getattr(p, "allreduce", True) is False)
+        expert.register_hook(lambda g: g * float("inf"))
+    before = full_by_global_name(engine.module, zeroshard.safe_get_full_fp32_param)
+    scale = engine.loss_scale
+    _optimizer_step(engine, 0)
+    after = full_by_global_name(engine.module, zeroshard.safe_get_full_fp32_param)
+    unchanged = all(torch.equal(before[n], after[n]) for n in before)
+    return {"skipped": engine.skipped_steps, "unchanged": unchanged, "scale": (scale, engine.loss_scale)}
