@@ -125,3 +125,12 @@ def test_ep_size_must_divide_the_world(dist_pool) -> None:
     messages = dist_pool(WORLD).run(bad_ep_size, timeout=60)
     for message in messages:
         assert "ep_size=3: must divide the world size 4" in message
+
+
+def test_all_to_all_with_split_sizes(dist_pool) -> None:
+    from tests.dist.scenarios.moe_layer import uneven_all_to_all
+
+    for rank, result in enumerate(dist_pool(WORLD).run(uneven_all_to_all, timeout=60)):
+        expected = torch.cat([torch.full((rank + 1, 2), float(10 * j + rank)) for j in range(WORLD)])
+        assert torch.equal(result["recv"], expected), rank
+        assert result["records"] == [("all_to_all", 2 * (1 + 2 + 3 + 4), "test", (0, 1, 2, 3))]

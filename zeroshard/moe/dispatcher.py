@@ -116,7 +116,7 @@ class MOELayer(nn.Module):
         capacity = int(capacity)  # one host read; the buffers are sized by it
         slots = route_slots(indices, locations, num_experts, capacity)
         dispatched = encode(tokens, slots, num_experts, capacity)
-        group = self.ep_group if self.ep_group is not None else None
+        group = self.ep_group
         if group is not None:
             dispatched = all_to_all(dispatched, group, "moe_dispatch")
         # [ep_size (source rank), num_local_experts, C, M] after the exchange

@@ -106,3 +106,17 @@ def bad_ep_size() -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def uneven_all_to_all() -> dict[str, Any]:
+    """comm.all_to_all_single with split sizes: rank r sends j + 1 rows of value 10 r + j to
+    rank j, so it receives r + 1 rows from each rank j, of value 10 j + r."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send = torch.cat([torch.full((j + 1, 2), float(10 * rank + j)) for j in range(world)])
+    recv = torch.empty((rank + 1) * world, 2)
+    with zeroshard.comm.recording() as log:
+        zeroshard.comm.all_to_all_single(
+            recv, send, [rank + 1] * world, [j + 1 for j in range(world)],
+            group=zeroshard.comm.world_group(), tag="test",
+        )
+    return {"recv": recv, "records": [(r.op, r.numel, r.tag, r.group) for r in log.records]}
