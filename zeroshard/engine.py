@@ -511,7 +511,7 @@ class Engine:
 
     def load_checkpoint(
         self, load_dir, tag=None, load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+        load_lr_scheduler_states: bool = True, load_module_only: bool = False, allow_pickle: bool = False,
     ):
         """Load a checkpoint saved on any world size and stage; returns (path, client_state)."""
         from . import checkpoint
@@ -519,6 +519,7 @@ class Engine:
         return checkpoint.load_checkpoint(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            allow_pickle=allow_pickle,
         )
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 
 from ..publish import publish_masters
 from .format import (
+    INDEX_FILE,
     MASTER_KIND,
     PYTHON_STATE_FILE,
     CheckpointError,
@@ -46,6 +48,7 @@ class LoadOptions:
     optimizer_states: bool = True
     lr_scheduler_states: bool = True
     module_only: bool = False
+    allow_pickle: bool = False
 
 
 @dataclass
@@ -178,22 +181,45 @@ def _optimizer_family(class_name: str) -> str:
     return _OPTIMIZER_FAMILIES.get(class_name, class_name)
 
 
-def _python_state(reader: CheckpointReader) -> dict[str, Any]:
+def _python_state(reader: CheckpointReader, allow_pickle: bool) -> dict[str, Any]:
+    """python_state.pt, unpickled with torch's weights-only unpickler unless `allow_pickle`.
+
+    The weights-only unpickler builds only dicts, lists, tuples, sets, numbers, strings and
+    tensors, so a crafted file cannot make loading run code; any other object needs the
+    caller's explicit `allow_pickle=True`.
+    """
     path = reader.verify_file(PYTHON_STATE_FILE)
     try:
-        # Written by save_checkpoint; like any pickle, load only checkpoints you trust.
-        return torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if not allow_pickle:
+            first_line = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            raise CheckpointError(
+                f"{path}: holds Python objects other than dicts, lists, tuples, numbers, strings and "
+                f"tensors ({first_line}); loading them would run code from the checkpoint, so "
+                "load_checkpoint refuses. If you trust this checkpoint, pass "
+                "load_checkpoint(..., allow_pickle=True)."
+            ) from None
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as error2:
+            raise CheckpointError(f"{path}: unreadable ({error2}).") from None
     except Exception as error:
         raise CheckpointError(f"{path}: unreadable ({error}).") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not the dict save_checkpoint writes.")
+    return state
 
 
-def _entry_value(reader: CheckpointReader, entry: dict[str, Any] | None, key: str, cache: dict) -> Any:
+def _entry_value(reader: CheckpointReader, entry: dict[str, Any] | None, key: str, cache: dict, options) -> Any:
     if entry is None:
         return None
     if "json" in entry:
         return entry["json"]
     if "python" not in cache:
-        cache["python"] = _python_state(reader)
+        cache["python"] = _python_state(reader, options.allow_pickle)
+    if key not in cache["python"]:
+        raise CheckpointError(f"{reader.tag_dir / PYTHON_STATE_FILE}: has no {key!r}, which {INDEX_FILE} puts there.")
     return cache["python"][key]
 
 
@@ -213,10 +239,10 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
         for name in frozen_now:  # frozen now; maybe trainable (sharded) when saved
             module_values[name] = extras[name] if name in extras else reader.read_full(name)
         loaded = _Loaded(tag_dir=tag_dir, masters=masters, module_values=module_values)
-        cache: dict[str, Any] = {}
-        loaded.client_state = _entry_value(reader, index.get("client_state"), "client_state", cache) or {}
         if options.module_only:
-            return loaded
+            return loaded  # client state is never read: a module-only load reads tensors and JSON only
+        cache: dict[str, Any] = {}
+        loaded.client_state = _entry_value(reader, index.get("client_state"), "client_state", cache, options) or {}
 
         saved_opt = index.get("optimizer")
         wants_groups = options.optimizer_states or options.lr_scheduler_states
@@ -238,7 +264,7 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
             elif options.lr_scheduler_states:
                 loaded.param_groups, loaded.lr_only = saved_opt["param_groups"], True
         if options.lr_scheduler_states and engine.lr_scheduler is not None:
-            loaded.lr_scheduler = _entry_value(reader, index.get("lr_scheduler"), "lr_scheduler", cache)
+            loaded.lr_scheduler = _entry_value(reader, index.get("lr_scheduler"), "lr_scheduler", cache, options)
         loaded.counters = dict(index["counters"])
         loaded.loss_scaler = index.get("loss_scaler")
         loaded.data_sampler = index.get("data_sampler")
@@ -345,15 +371,23 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    allow_pickle: bool = False,
 ) -> tuple[str | None, Any]:
     """Load a checkpoint saved on any world size and stage; collective.
+
+    Nothing in the checkpoint directory is executed: tensors come from safetensors files,
+    everything else from JSON or from `python_state.pt` through torch's weights-only
+    unpickler. A `python_state.pt` holding other Python objects (a `client_state` with
+    your own classes) is refused unless `allow_pickle=True`, which unpickles it fully and
+    so runs whatever code it names: pass it only for checkpoints you trust.
+    `load_module_only=True` never reads client state (it returns `{}` for it).
 
     Returns:
         (checkpoint directory, client_state), or (None, None) when `tag` is None and
         `load_dir` has no `latest` file (nothing saved yet), as DeepSpeed does.
     """
     load_dir = Path(load_dir)
-    options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only, allow_pickle)
     loaded: _Loaded | None = None
     error: BaseException | None = None
     try:

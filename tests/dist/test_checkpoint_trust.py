@@ -1,0 +1,116 @@
+"""A checkpoint directory is input, not code: crafted or damaged checkpoints are refused.
+
+Each test copies a real checkpoint, edits it as an attacker (who also recomputes every
+checksum the checkpoint records) or a damaged disk would, and asserts that loading raises a
+CheckpointError naming the file and field, runs nothing, and leaves the engine bitwise
+unchanged. One engine in the test process (world size 1); multi-rank cases are in
+test_checkpoint_tags.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.checkpoint_craft import register_file, rewrite_index
+from tests.dist.test_checkpoint_helpers import assert_snapshots_equal, make_engine, snapshot, train
+from zeroshard.checkpoint import CheckpointError
+
+TAG = "global_step2"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict]:
+    """A stage-2 fp32 checkpoint after 2 steps with plain-JSON client state, and its snapshot."""
+    ckpt = tmp_path_factory.mktemp("trust") / "ckpt"
+    engine = make_engine(2, "fp32", seed=0)
+    train(engine, 0, 2)
+    engine.save_checkpoint(str(ckpt), client_state={"epoch": 4})
+    return ckpt, snapshot(engine)
+
+
+@pytest.fixture
+def copy(saved, tmp_path) -> Path:
+    """A private copy of the saved checkpoint directory, free to damage."""
+    out = tmp_path / "copy"
+    shutil.copytree(saved[0], out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def victim() -> tuple:
+    """A trained engine that the failing loads must leave as it is, and its snapshot."""
+    engine = make_engine(2, "fp32", seed=1)
+    train(engine, 0, 1)
+    return engine, snapshot(engine)
+
+
+def _refused(victim, ckpt: Path, match: str, **kwargs) -> CheckpointError:
+    engine, before = victim
+    with pytest.raises(CheckpointError, match=match) as info:
+        engine.load_checkpoint(str(ckpt), **kwargs)
+    assert_snapshots_equal(before, snapshot(engine), "after a refused load")
+    return info.value
+
+
+# ----------------------------------------------------------------- code execution
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: it creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant_pickle(tag_dir: Path, marker: Path) -> None:
+    """What someone with write access to the directory can do to a JSON-only checkpoint."""
+    torch.save({"client_state": {"x": _RunsCode(marker)}}, tag_dir / "python_state.pt")
+    register_file(tag_dir, "python_state.pt")
+    rewrite_index(tag_dir, lambda index: index.update(client_state={"file": "python_state.pt"}))
+
+
+def test_crafted_pickle_is_refused_and_never_run(copy, victim, tmp_path) -> None:
+    marker = tmp_path / "code_ran"
+    _plant_pickle(copy / TAG, marker)
+    error = _refused(victim, copy, r"python_state\.pt: holds Python objects")
+    assert "allow_pickle=True" in str(error)
+    assert not marker.exists(), "loading the checkpoint ran code from python_state.pt"
+
+
+def test_module_only_load_never_reads_client_state(copy, saved, tmp_path) -> None:
+    marker = tmp_path / "code_ran"
+    _plant_pickle(copy / TAG, marker)
+    engine = make_engine(2, "fp32", seed=1)
+    path, client_state = engine.load_checkpoint(str(copy), load_module_only=True)
+    assert not marker.exists(), "a module-only load read python_state.pt"
+    assert path == str(copy / TAG) and client_state == {}
+    torch.testing.assert_close(snapshot(engine)["params"], saved[1]["params"], rtol=0, atol=0)
+
+
+def test_allow_pickle_is_the_explicit_opt_in(copy, tmp_path) -> None:
+    marker = tmp_path / "code_ran"
+    _plant_pickle(copy / TAG, marker)
+    engine = make_engine(2, "fp32", seed=1)
+    engine.load_checkpoint(str(copy), allow_pickle=True)
+    assert marker.exists()  # the documented consequence of allow_pickle=True
+
+
+def test_plain_python_state_loads_without_allow_pickle(tmp_path) -> None:
+    """Tuples, tensors, sets and int keys are not JSON but are plain data: no opt-in needed."""
+    engine = make_engine(2, "fp32", seed=0)
+    train(engine, 0, 1)
+    client = {"t": torch.arange(3.0), "pair": (1, "a"), "ids": {1, 2}, 7: [0.5, None]}
+    engine.save_checkpoint(str(tmp_path), client_state=client)
+    fresh = make_engine(2, "fp32", seed=1)
+    _, loaded = fresh.load_checkpoint(str(tmp_path))
+    assert loaded.keys() == client.keys()
+    assert torch.equal(loaded["t"], client["t"])
+    assert loaded["pair"] == (1, "a") and loaded["ids"] == {1, 2} and loaded[7] == [0.5, None]
