@@ -8,20 +8,16 @@ No tests here; module level so pooled workers can import it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zeroshard.checkpoint.format import INDEX_FILE, file_digest
-
-INDEX_DIGEST_FILE = "index.sha256"
+from zeroshard.checkpoint.format import INDEX_DIGEST_FILE, INDEX_FILE, file_digest, index_digest_text
 
 
 def write_index_digest(tag_dir: Path) -> None:
-    digest = hashlib.sha256((tag_dir / INDEX_FILE).read_bytes()).hexdigest()
-    (tag_dir / INDEX_DIGEST_FILE).write_text(f"{digest}  {INDEX_FILE}\n")
+    (tag_dir / INDEX_DIGEST_FILE).write_text(index_digest_text((tag_dir / INDEX_FILE).read_bytes()))
 
 
 def rewrite_index(tag_dir: Path, edit: Callable[[dict[str, Any]], None]) -> None:

@@ -114,3 +114,29 @@ def test_plain_python_state_loads_without_allow_pickle(tmp_path) -> None:
     assert loaded.keys() == client.keys()
     assert torch.equal(loaded["t"], client["t"])
     assert loaded["pair"] == (1, "a") and loaded["ids"] == {1, 2} and loaded[7] == [0.5, None]
+
+
+# --------------------------------------------------------------- the index itself
+
+
+def _first_fragment(index: dict) -> dict:
+    """The fragment at element 0 of flat0's slice."""
+    return next(e["fragments"][0] for e in index["params"].values() if e["fragments"][0]["start"] == 0)
+
+
+@pytest.mark.parametrize("how", ["latest", "tag"])
+def test_edited_fragment_start_is_refused(copy, victim, how: str) -> None:
+    """The issue's reproduction: a fragment's start moved from 0 to 1 loaded "OK", shifted."""
+    rewrite_index(copy / TAG, lambda index: _first_fragment(index).update(start=1))
+    kwargs = {"tag": TAG} if how == "tag" else {}
+    _refused(victim, copy, r"index\.json: params\.[\w.]+\.fragments: leave elements \[0, 1\)", **kwargs)
+
+
+@pytest.mark.parametrize("how", ["latest", "tag"])
+def test_accidentally_changed_index_is_named(copy, victim, how: str) -> None:
+    """One changed digit without a new digest: the recorded sha256 no longer matches."""
+    path = copy / TAG / "index.json"
+    text = path.read_text()
+    path.write_text(text.replace('"global_steps": 2', '"global_steps": 3'))
+    kwargs = {"tag": TAG} if how == "tag" else {}
+    _refused(victim, copy, r"index\.json: corrupt: its sha256 differs from the one in .*index\.sha256", **kwargs)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -47,23 +48,22 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .base import CheckpointError, rank_file_name
+from .validate import check_index_geometry, flat_lengths
+
 FORMAT_NAME = "zeroshard-checkpoint"
 FORMAT_VERSION = 1
 
 INDEX_FILE = "index.json"
+# sha256 of index.json, written after it; the index cannot hold its own digest.
+INDEX_DIGEST_FILE = "index.sha256"
 LATEST_FILE = "latest"
 EXTRAS_FILE = "module_extras.safetensors"
 PYTHON_STATE_FILE = "python_state.pt"
 
 MASTER_KIND = "master"
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, corrupt, or not for this model."""
-
-
-def rank_file_name(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
+logger = logging.getLogger("zeroshard")
 
 
 def state_kind(key: str) -> str:
@@ -210,51 +210,72 @@ def resolve_checkpoint_dir(ckpt_dir: str | os.PathLike, tag: str | None = None) 
 # ---------------------------------------------------------------------------- index
 
 
-def _check_fragments(name: str, entry: dict[str, Any]) -> None:
-    numel = 1
-    for dim in entry["shape"]:
-        numel *= int(dim)
-    covered = 0
-    for frag in sorted(entry["fragments"], key=lambda f: f["offset"]):
-        if frag["offset"] != covered or frag["numel"] <= 0:
-            raise CheckpointError(
-                f"{INDEX_FILE}: fragments of parameter {name!r} do not tile it (gap or overlap at "
-                f"element {covered}); the index is corrupt."
-            )
-        covered += frag["numel"]
-    if covered != numel:
-        raise CheckpointError(
-            f"{INDEX_FILE}: fragments of parameter {name!r} cover {covered} of {numel} elements; the index is corrupt."
-        )
+def read_utf8(path: Path) -> str:
+    """A text file of the checkpoint; bytes that are not UTF-8 are a CheckpointError naming it."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {error.start}); the file is corrupt.") from None
+
+
+def read_index_digest(tag_dir: Path) -> str | None:
+    """The sha256 `index.sha256` records for index.json, or None when the file is absent."""
+    path = tag_dir / INDEX_DIGEST_FILE
+    if not path.is_file():
+        return None
+    text = read_utf8(path).split()
+    if not text or len(text[0]) != 64 or any(c not in "0123456789abcdef" for c in text[0]):
+        raise CheckpointError(f"{path}: corrupt; it should hold the sha256 of {INDEX_FILE}.")
+    return text[0]
+
+
+def index_digest_text(index_bytes: bytes) -> str:
+    """The content of index.sha256 (the format `sha256sum -c` reads)."""
+    return f"{hashlib.sha256(index_bytes).hexdigest()}  {INDEX_FILE}\n"
 
 
 def load_index(tag_dir: Path) -> dict[str, Any]:
-    """Parse and sanity-check `tag_dir/index.json`.
+    """Parse and check `tag_dir/index.json` against its recorded digest and its own geometry.
 
     Raises:
-        CheckpointError: missing, not JSON, another format or version, or fragments that do
-            not tile their parameters.
+        CheckpointError: missing, digest mismatch, not UTF-8, not JSON, another format or
+            version, or a fragment that cannot be right (validate.check_index_geometry).
     """
     path = tag_dir / INDEX_FILE
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {tag_dir} is not a complete checkpoint.") from None
+    expected = read_index_digest(tag_dir)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(
+            f"{path}: corrupt: its sha256 differs from the one in {tag_dir / INDEX_DIGEST_FILE}."
+        )
     try:
-        index = json.loads(text)
+        index = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {error.start}); the index is corrupt.") from None
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path}: corrupt JSON ({error}).") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply to be a checkpoint index.") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{path}: not a zeroshard checkpoint index.")
     if index.get("version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format version {index.get('version')}, this zeroshard reads version {FORMAT_VERSION}."
         )
-    try:
-        for name, entry in index["params"].items():
-            _check_fragments(name, entry)
-    except (KeyError, TypeError) as error:
-        raise CheckpointError(f"{path}: malformed parameter table ({error!r}).") from None
+    if expected is None:
+        if index.get("index_digest") is not None:
+            raise CheckpointError(
+                f"{tag_dir / INDEX_DIGEST_FILE}: missing; {path} says it was saved with one."
+            )
+        logger.warning(
+            "%s: no %s (a checkpoint saved before zeroshard recorded the index digest); loading it "
+            "without checking the index against accidental corruption.", path, INDEX_DIGEST_FILE
+        )
+    check_index_geometry(index, path)
     return index
 
 
@@ -307,8 +328,24 @@ class CheckpointReader:
                 handle = safe_open(str(path), framework="pt", device="cpu")
             except Exception as error:  # safetensors raises its own error types
                 raise CheckpointError(f"{path}: unreadable safetensors file ({error}).") from None
+            if file_name.startswith("rank_"):
+                self._check_tensor_lengths(path, handle)
             self._open[file_name] = handle
         return handle
+
+    def _check_tensor_lengths(self, path: Path, handle: Any) -> None:
+        """Every sharded tensor of a rank file has the length the index gives its flat buffer."""
+        lengths = flat_lengths(self.index, self.tag_dir / INDEX_FILE)
+        for key in handle.keys():
+            kind, _, flat = key.rpartition("/")
+            if flat not in lengths or not (kind == MASTER_KIND or kind.startswith("state.")):
+                continue
+            shape = handle.get_slice(key).get_shape()
+            if list(shape) != [lengths[flat]]:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} has shape {list(shape)}, the index gives {flat} "
+                    f"{lengths[flat]} elements per rank; the file does not belong to this index."
+                )
 
     def _get(self, file_name: str, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         handle = self._handle(file_name)

@@ -28,6 +28,7 @@ from .format import (
     EXTRAS_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
+    INDEX_DIGEST_FILE,
     INDEX_FILE,
     LATEST_FILE,
     MASTER_KIND,
@@ -37,6 +38,7 @@ from .format import (
     file_digest,
     fsync_dir,
     fsync_file,
+    index_digest_text,
     old_tag_dir,
     rank_file_name,
     scalar_kind,
@@ -327,12 +329,17 @@ def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[st
         "lr_scheduler": scheduler_entry,
         "data_sampler": _sampler_state(engine),
         "client_state": client_entry,
+        "index_digest": INDEX_DIGEST_FILE,
         "config": engine.config.raw,
         "precision_plan": engine.precision_plan.as_dict(),
     }
+    index_bytes = (json.dumps(index, indent=1, default=str) + "\n").encode("utf-8")
     path = tmp / INDEX_FILE
-    path.write_text(json.dumps(index, indent=1, default=str) + "\n")
+    path.write_bytes(index_bytes)
     fsync_file(path)
+    # The digest of the index, checked by every load (by tag or through `latest`).
+    (tmp / INDEX_DIGEST_FILE).write_text(index_digest_text(index_bytes))
+    fsync_file(tmp / INDEX_DIGEST_FILE)
     fsync_dir(tmp)
 
 
