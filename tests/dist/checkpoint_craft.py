@@ -13,7 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zeroshard.checkpoint.format import INDEX_DIGEST_FILE, INDEX_FILE, file_digest, index_digest_text
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from zeroshard.checkpoint.format import (
+    INDEX_DIGEST_FILE,
+    INDEX_FILE,
+    file_digest,
+    index_digest_text,
+    rank_file_name,
+)
 
 
 def write_index_digest(tag_dir: Path) -> None:
@@ -36,3 +45,22 @@ def register_file(tag_dir: Path, name: str) -> None:
         index["files"][name] = {"size": size, "sha256": sha}
 
     rewrite_index(tag_dir, edit)
+
+
+def rewrite_rank_file(
+    tag_dir: Path,
+    rank: int,
+    tensors_edit: Callable[[dict[str, Any]], None] | None = None,
+    metadata_edit: Callable[[dict[str, str]], None] | None = None,
+) -> None:
+    """Rewrite rank `rank`'s safetensors file with edited tensors or metadata, checksums updated."""
+    path = tag_dir / rank_file_name(rank)
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        metadata = dict(handle.metadata() or {})
+    if tensors_edit is not None:
+        tensors_edit(tensors)
+    if metadata_edit is not None:
+        metadata_edit(metadata)
+    save_file(tensors, str(path), metadata=metadata)
+    register_file(tag_dir, path.name)

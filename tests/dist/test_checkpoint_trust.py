@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.checkpoint_craft import register_file, rewrite_index
+from tests.dist.checkpoint_craft import register_file, rewrite_index, rewrite_rank_file
 from tests.dist.test_checkpoint_helpers import assert_snapshots_equal, make_engine, snapshot, train
 from zeroshard.checkpoint import CheckpointError
 
@@ -50,10 +50,14 @@ def victim() -> tuple:
 
 
 def _refused(victim, ckpt: Path, match: str, **kwargs) -> CheckpointError:
+    """Loading `ckpt` raises a CheckpointError matching `match`; the engine (masters, optimizer
+    state, module, buffers, loss scale, counters, lr) and the RNG state are bitwise unchanged."""
     engine, before = victim
+    rng_before = torch.get_rng_state()
     with pytest.raises(CheckpointError, match=match) as info:
         engine.load_checkpoint(str(ckpt), **kwargs)
     assert_snapshots_equal(before, snapshot(engine), "after a refused load")
+    assert torch.equal(rng_before, torch.get_rng_state()), "the RNG state changed"
     return info.value
 
 
@@ -140,3 +144,61 @@ def test_accidentally_changed_index_is_named(copy, victim, how: str) -> None:
     path.write_text(text.replace('"global_steps": 2', '"global_steps": 3'))
     kwargs = {"tag": TAG} if how == "tag" else {}
     _refused(victim, copy, r"index\.json: corrupt: its sha256 differs from the one in .*index\.sha256", **kwargs)
+
+
+# ------------------------------------------------------------- half-loads (item 6)
+
+
+def _set(path: list, value):
+    def edit(index: dict) -> None:
+        node = index
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return edit
+
+
+BAD_FIELDS = {
+    "global_steps_null": (_set(["counters", "global_steps"], None), r"field counters\.global_steps = None"),
+    "global_steps_7x": (_set(["counters", "global_steps"], "7x"), r"field counters\.global_steps = '7x'"),
+    "micro_steps_negative": (_set(["counters", "micro_steps"], -4), r"field counters\.micro_steps = -4"),
+    "skipped_steps_bool": (_set(["counters", "skipped_steps"], True), r"field counters\.skipped_steps = True"),
+    "sampler_epoch": (_set(["data_sampler"], {"epoch": "3"}), r"field data_sampler\.epoch = '3'"),
+    "scaler_kind": (_set(["loss_scaler"], {"kind": 5}), r"field loss_scaler = \{'kind': 5\}"),
+    "scheduler_state": (
+        _set(["lr_scheduler"], {"json": {"last_batch_iteration": "1"}}),
+        r"field lr_scheduler\.last_batch_iteration = '1'",
+    ),
+    "scheduler_not_a_table": (_set(["lr_scheduler"], {"json": [1]}), r"field lr_scheduler = \[1\]"),
+    "lr_string": (
+        _set(["optimizer", "param_groups", 0, "hyper", "lr"], "0.1"),
+        r"field optimizer\.param_groups\[0\]\.hyper\.lr = '0\.1'",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_FIELDS))
+def test_bad_field_is_named_and_nothing_is_written(copy, victim, bad: str) -> None:
+    edit, match = BAD_FIELDS[bad]
+    rewrite_index(copy / TAG, edit)
+    _refused(victim, copy, r"index\.json: " + match)
+
+
+def _python_rng(metadata: dict) -> None:
+    metadata["rng.python"] = "[3, [1, 2], null]"
+
+
+def _torch_rng(tensors: dict) -> None:
+    tensors["rng/torch_cpu"] = tensors["rng/torch_cpu"][:100].clone()
+
+
+@pytest.mark.parametrize("bad", ["python", "torch"])
+def test_bad_rng_state_is_named_and_nothing_is_written(copy, victim, bad: str) -> None:
+    if bad == "python":
+        rewrite_rank_file(copy / TAG, 0, metadata_edit=_python_rng)
+        match = r"rank_00000\.safetensors: field metadata rng\.python = '\[3, \[1, 2\], null\]'"
+    else:
+        rewrite_rank_file(copy / TAG, 0, tensors_edit=_torch_rng)
+        match = r"rank_00000\.safetensors: field rng/torch_cpu = 'torch\.uint8 \[100\]'"
+    _refused(victim, copy, match)

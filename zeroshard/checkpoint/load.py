@@ -25,6 +25,14 @@ from typing import Any
 import torch
 
 from ..publish import publish_masters
+from .fields import (
+    check_param_groups,
+    check_scaler_state,
+    check_scheduler_state,
+    parse_counters,
+    parse_sampler,
+    scalar_value,
+)
 from .format import (
     INDEX_FILE,
     MASTER_KIND,
@@ -32,11 +40,12 @@ from .format import (
     CheckpointError,
     CheckpointReader,
     find_tag_dir,
+    rank_file_name,
     read_latest,
     state_kind,
     validate_tag,
 )
-from .rng import RNG_PREFIX, restore_rng_state
+from .rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
 from .save import module_names
 from .sync import agree, all_gather_object
 
@@ -66,7 +75,7 @@ class _Loaded:
     loss_scaler: dict[str, Any] | None = None
     lr_scheduler: dict[str, Any] | None = None
     data_sampler: dict[str, Any] | None = None
-    rng: tuple[dict[str, torch.Tensor], dict[str, str]] | None = None
+    rng: RngState | None = None
     client_state: Any = field(default_factory=dict)
 
 
@@ -161,14 +170,7 @@ def _flat_optimizer_state(engine: Any, flat: Any, reader: CheckpointReader, read
             value = reader.read_scalar(flat.names, key)
             if value is None:  # only empty parameters here: any other flat's copy
                 value = reader.read_scalar(list(params), key)
-            if kind == "float":
-                state[key] = float(value)
-            elif kind == "int":
-                state[key] = int(value)
-            elif kind == "bool":
-                state[key] = bool(value)
-            else:
-                state[key] = value.clone()
+            state[key] = scalar_value(value, kind, str(reader.tag_dir), f"optimizer scalar {key}")
     return state
 
 
@@ -265,13 +267,25 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
                 loaded.param_groups, loaded.lr_only = saved_opt["param_groups"], True
         if options.lr_scheduler_states and engine.lr_scheduler is not None:
             loaded.lr_scheduler = _entry_value(reader, index.get("lr_scheduler"), "lr_scheduler", cache, options)
-        loaded.counters = dict(index["counters"])
-        loaded.loss_scaler = index.get("loss_scaler")
-        loaded.data_sampler = index.get("data_sampler")
-        rank = engine.global_rank
-        if rank < index["world_size"]:
-            loaded.rng = (reader.rank_file_tensors(rank, RNG_PREFIX), reader.rank_file_metadata(rank))
+        _parse_small_fields(engine, reader, loaded)
         return loaded
+
+
+def _parse_small_fields(engine: Any, reader: CheckpointReader, loaded: _Loaded) -> None:
+    """Check every non-tensor value phase 2 will use (fields.py), so phase 2 cannot fail on one."""
+    index, path = reader.index, reader.tag_dir / INDEX_FILE
+    loaded.counters = parse_counters(index, path)
+    loaded.data_sampler = parse_sampler(index, path)
+    loaded.loss_scaler = check_scaler_state(index.get("loss_scaler"), engine.loss_scaler, path)
+    if loaded.param_groups is not None:
+        check_param_groups(loaded.param_groups, engine.optimizer, path)
+    if loaded.lr_scheduler is not None:
+        where = str(path if "json" in (index.get("lr_scheduler") or {}) else reader.tag_dir / PYTHON_STATE_FILE)
+        check_scheduler_state(loaded.lr_scheduler, engine.lr_scheduler, where)
+    rank = engine.global_rank
+    if rank < index["world_size"]:
+        tensors, metadata = reader.rank_file_tensors(rank, RNG_PREFIX), reader.rank_file_metadata(rank)
+        loaded.rng = parse_rng_state(tensors, metadata, str(reader.tag_dir / rank_file_name(rank)))
 
 
 # --------------------------------------------------------------------------- writes
@@ -349,15 +363,15 @@ def apply_to_engine(engine: Any, loaded: _Loaded, options: LoadOptions) -> None:
     _write_into_engine(engine, loaded)
     if options.module_only:
         return
-    counters = loaded.counters or {}
-    engine.global_steps = int(counters.get("global_steps", engine.global_steps))
-    engine.micro_steps = int(counters.get("micro_steps", engine.micro_steps))
-    engine.skipped_steps = int(counters.get("skipped_steps", engine.skipped_steps))
+    if loaded.counters is not None:
+        engine.global_steps = loaded.counters["global_steps"]
+        engine.micro_steps = loaded.counters["micro_steps"]
+        engine.skipped_steps = loaded.counters["skipped_steps"]
     sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
     if loaded.data_sampler is not None and "epoch" in loaded.data_sampler and hasattr(sampler, "set_epoch"):
         sampler.set_epoch(loaded.data_sampler["epoch"])
     if loaded.rng is not None:
-        restore_rng_state(*loaded.rng)
+        apply_rng_state(loaded.rng)
     engine.zero_grad()  # gradients accumulated before the load belong to other weights
 
 
