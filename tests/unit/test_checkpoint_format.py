@@ -137,7 +137,7 @@ def test_tag_directory_resolution(tmp_path: Path) -> None:
         resolve_checkpoint_dir(tmp_path / "nothing-here")
 
 
-@pytest.mark.parametrize("tag", ["", ".", "..", ".hidden", "a/b", "a\\b"])
+@pytest.mark.parametrize("tag", ["", ".", "..", ".hidden", "a/b", "a\\b", " a", "a ", "a\n", "a\tb", "/abs"])
 def test_bad_tags_are_refused(tag: str) -> None:
     with pytest.raises(ValueError, match="plain directory name"):
         validate_tag(tag)
@@ -253,3 +253,23 @@ def test_index_that_is_not_utf8_or_nested_too_deeply(tmp_path: Path) -> None:
     index_path.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CheckpointError, match=r"index\.json: JSON nested too deeply"):
         load_index(tmp_path / "t")
+
+
+@pytest.mark.parametrize("latest", ["OTHER", "../other/a", "a/../../other/a"])
+def test_latest_cannot_point_outside_the_save_directory(tmp_path: Path, latest: str) -> None:
+    """`latest` (or --tag) holding an absolute path or '..' must not read another checkpoint."""
+    _write_checkpoint(tmp_path / "other" / "a")
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    latest = str(tmp_path / "other" / "a") if latest == "OTHER" else latest
+    (save_dir / "latest").write_text(latest + "\n")
+    with pytest.raises(CheckpointError, match=r"save/latest: checkpoint tag .*plain directory name"):
+        resolve_checkpoint_dir(save_dir)
+    with pytest.raises(CheckpointError, match=r"checkpoint tag .*plain directory name"):
+        resolve_checkpoint_dir(save_dir, latest)
+
+
+def test_latest_that_is_not_utf8(tmp_path: Path) -> None:
+    (tmp_path / "latest").write_bytes(b"global_step\xff")
+    with pytest.raises(CheckpointError, match=r"latest: not UTF-8 text"):
+        resolve_checkpoint_dir(tmp_path)

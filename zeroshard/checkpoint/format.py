@@ -152,24 +152,39 @@ def old_tag_dir(save_dir: Path, tag: str) -> Path:
 
 
 def validate_tag(tag: str) -> str:
+    """`tag` if it is a plain directory name inside the save directory, else a CheckpointError."""
     tag = str(tag)
-    if not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag or "\\" in tag or "\0" in tag:
-        raise ValueError(
-            f"checkpoint tag {tag!r}: must be a plain directory name (no path separators, not "
-            "starting with '.'), e.g. 'global_step100'."
+    if (
+        not tag
+        or tag.startswith(".")
+        or tag != tag.strip()
+        or any(c in tag for c in "/\\\0")
+        or not tag.isprintable()
+    ):
+        raise CheckpointError(
+            f"checkpoint tag {tag!r}: must be a plain directory name (no path separators, no leading "
+            "'.', no leading or trailing whitespace, no control characters), e.g. 'global_step100'."
         )
     return tag
 
 
 def read_latest(save_dir: Path) -> str | None:
-    """The tag named by `save_dir/latest`, or None when there is no such file."""
+    """The tag named by `save_dir/latest`, or None when there is no such file.
+
+    Raises:
+        CheckpointError: `latest` is empty, not UTF-8, or names no plain tag (an absolute
+            path or '..' would read a checkpoint outside `save_dir`).
+    """
     path = save_dir / LATEST_FILE
     if not path.is_file():
         return None
-    tag = path.read_text().strip()
+    tag = read_utf8(path).strip()
     if not tag:
         raise CheckpointError(f"{path}: empty; it should name the last complete checkpoint tag.")
-    return tag
+    try:
+        return validate_tag(tag)
+    except CheckpointError as error:
+        raise CheckpointError(f"{path}: {error}") from None
 
 
 def find_tag_dir(save_dir: Path, tag: str) -> Path:
@@ -193,7 +208,11 @@ def find_tag_dir(save_dir: Path, tag: str) -> Path:
 
 
 def resolve_checkpoint_dir(ckpt_dir: str | os.PathLike, tag: str | None = None) -> Path:
-    """A tag directory from either a save directory (+ tag, or its `latest`) or a tag directory."""
+    """A tag directory from either a save directory (+ tag, or its `latest`) or a tag directory.
+
+    The tag, given or read from `latest`, must be a plain name (validate_tag): a `latest`
+    holding an absolute path or '..' never makes this read another checkpoint.
+    """
     path = Path(ckpt_dir)
     if tag is None and (path / INDEX_FILE).is_file():
         return path
@@ -204,7 +223,7 @@ def resolve_checkpoint_dir(ckpt_dir: str | os.PathLike, tag: str | None = None) 
                 f"{path}: neither a checkpoint (no {INDEX_FILE}) nor a save directory with a "
                 f"'{LATEST_FILE}' file; pass the tag explicitly."
             )
-    return find_tag_dir(path, tag)
+    return find_tag_dir(path, validate_tag(tag))
 
 
 # ---------------------------------------------------------------------------- index

@@ -47,7 +47,7 @@ from .format import (
 )
 from .rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
 from .save import module_names
-from .sync import agree, all_gather_object
+from .sync import agree, all_gather_object, local_rank_is_first
 
 logger = logging.getLogger("zeroshard")
 
@@ -404,23 +404,16 @@ def load_checkpoint(
     options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only, allow_pickle)
     loaded: _Loaded | None = None
     error: BaseException | None = None
+    tag = agree_on_tag(load_dir, tag)
     try:
-        if tag is None:
-            tag = read_latest(load_dir)
         if tag is not None:
-            tag_dir = find_tag_dir(load_dir, validate_tag(tag))
+            tag_dir = find_tag_dir(load_dir, tag)
             try:
                 loaded = read_for_engine(engine, tag_dir, options)
             except (KeyError, TypeError, IndexError) as exc:
                 raise CheckpointError(f"{tag_dir / 'index.json'}: malformed ({exc!r}); the index is corrupt.") from exc
     except Exception as exc:
         error = exc
-    outcomes = all_gather_object("error" if error is not None else ("none" if loaded is None else "ok"))
-    if error is None and "error" not in outcomes and len(set(outcomes)) > 1:
-        error = CheckpointError(
-            f"load_checkpoint({load_dir}): some ranks found a checkpoint and some did not ({outcomes}); "
-            "is the directory on a file system every rank sees?"
-        )
     agree(error, f"load_checkpoint({load_dir}, tag={tag!r})")
     if loaded is None:
         logger.warning("load_checkpoint: no '%s/latest' file, nothing loaded.", load_dir)
@@ -429,3 +422,37 @@ def load_checkpoint(
     if engine.global_rank == 0:
         logger.info("loaded checkpoint %s at step %d", loaded.tag_dir, engine.global_steps)
     return str(loaded.tag_dir), loaded.client_state
+
+
+def agree_on_tag(load_dir: Path, tag: str | None) -> str | None:
+    """The one tag every rank loads; collective.
+
+    A rank that passes no tag loads the tag `latest` names as rank 0 read it (one read, so a
+    `latest` rewritten meanwhile cannot make ranks load different checkpoints). Ranks that
+    resolve to different tags (rank 0 tag="a", rank 1 tag="b") raise on every rank, naming
+    them. None when no rank passed a tag and there is no `latest` file.
+
+    Raises:
+        CheckpointError: on every rank, when the ranks disagree or `latest` is unreadable.
+    """
+    latest: str | None = None
+    latest_error: str | None = None
+    if local_rank_is_first():
+        try:
+            latest = read_latest(load_dir)
+        except CheckpointError as exc:
+            latest_error = str(exc)
+    passed = all_gather_object((tag, latest, latest_error))
+    _, latest, latest_error = passed[0]
+    if any(t is None for t, _, _ in passed) and latest_error is not None:
+        raise CheckpointError(latest_error)
+    resolved = [validate_tag(t) if t is not None else latest for t, _, _ in passed]
+    if len(set(resolved)) > 1:
+        by_rank = ", ".join(
+            f"rank {r}: {t!r}" + (" (from latest)" if passed[r][0] is None else "") for r, t in enumerate(resolved)
+        )
+        raise CheckpointError(
+            f"load_checkpoint({load_dir}): the ranks would load different checkpoints ({by_rank}); "
+            "pass the same tag on every rank (or none, to load the one 'latest' names)."
+        )
+    return resolved[0]

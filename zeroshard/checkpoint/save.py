@@ -362,6 +362,52 @@ def _publish(save_dir: Path, tag: str, tmp: Path, save_latest: bool) -> None:
 
 # ------------------------------------------------------------------------------ entry
 
+TAG_VALIDATION_MODES = ("IGNORE", "WARN", "FAIL")
+
+
+def tag_validation_mode(engine: Any) -> str:
+    """`checkpoint.tag_validation` of the engine's config, upper-cased (DeepSpeed's default "Warn").
+
+    Read from either form of the config's `checkpoint` section (a plain table, or a model
+    with a `tag_validation` attribute).
+    """
+    section = getattr(engine.config, "checkpoint", None)
+    value = section.get("tag_validation") if isinstance(section, dict) else getattr(section, "tag_validation", None)
+    value = getattr(value, "value", value)  # an enum member
+    mode = "WARN" if value is None else str(value).upper()
+    if mode not in TAG_VALIDATION_MODES:
+        raise CheckpointError(
+            f"checkpoint.tag_validation={value!r}: must be one of Ignore, Warn, Fail. "
+            'Set e.g. "checkpoint": {"tag_validation": "Warn"}.'
+        )
+    return mode
+
+
+def agree_on_save_tag(engine: Any, tag: str | None) -> str:
+    """The tag every rank saves under; collective.
+
+    None or "" mean DeepSpeed's default, `global_step<N>`. If the ranks passed different
+    tags, `checkpoint.tag_validation` decides: "Fail" raises on every rank; "Warn" (the
+    default) logs the tags and "Ignore" says nothing, and both save under rank 0's tag (a
+    checkpoint is one directory that every rank writes into).
+    """
+    if tag is None or tag == "":
+        tag = f"global_step{engine.global_steps}"
+    tags = all_gather_object(str(tag))
+    mode = tag_validation_mode(engine)
+    if len(set(tags)) > 1:
+        by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        message = f"save_checkpoint: the ranks passed different tags ({by_rank})"
+        if mode == "FAIL":
+            raise CheckpointError(
+                f"{message}; checkpoint.tag_validation is Fail. Pass the same tag on every rank "
+                "(one without rank-specific parts)."
+            )
+        if mode == "WARN" and engine.global_rank == 0:
+            logger.warning("%s; saving under rank 0's tag %r (checkpoint.tag_validation is Warn).", message, tags[0])
+    return tags[0]
+
+
 
 def save_checkpoint(
     engine: Any,
@@ -376,11 +422,8 @@ def save_checkpoint(
         The checkpoint's directory.
     """
     save_dir = Path(save_dir)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     rank = engine.global_rank
-    tags = all_gather_object(tag)
-    if len(set(tags)) != 1:
-        raise ValueError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag on every rank.")
+    tag = agree_on_save_tag(engine, tag)
     validate_tag(tag)  # after the agreement, so that every rank raises or none does
     tmp = tmp_tag_dir(save_dir, tag)
 

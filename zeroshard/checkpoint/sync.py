@@ -28,6 +28,11 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def local_rank_is_first() -> bool:
+    """Whether this process is rank 0 (or the only process)."""
+    return not _distributed() or dist.get_rank() == 0
+
+
 def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
