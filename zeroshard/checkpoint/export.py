@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .format import CheckpointReader, fsync_file, resolve_checkpoint_dir
+from .files import write_via_private_dir
+from .format import CheckpointReader, resolve_checkpoint_dir
 from .save import module_names
 from .sync import agree
 
@@ -56,15 +57,12 @@ def consolidate_fp32(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dic
 
 
 def _write_state_dict(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors for a .safetensors name, torch.save otherwise; atomic (temporary file, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    """safetensors for a .safetensors name, torch.save otherwise; atomic, never through a link."""
     if path.suffix == ".safetensors":
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        write_via_private_dir(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     else:
-        torch.save(state, tmp)
-    fsync_file(tmp)
-    os.replace(tmp, path)
+        write_via_private_dir(path, lambda tmp: torch.save(state, tmp))
 
 
 def write_fp32(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: str | None = None) -> Path:
