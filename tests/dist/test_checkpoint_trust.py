@@ -202,3 +202,77 @@ def test_bad_rng_state_is_named_and_nothing_is_written(copy, victim, bad: str) -
         rewrite_rank_file(copy / TAG, 0, tensors_edit=_torch_rng)
         match = r"rank_00000\.safetensors: field rng/torch_cpu = 'torch\.uint8 \[100\]'"
     _refused(victim, copy, match)
+
+
+# ------------------------------------------------- fault injection on a 2-rank checkpoint
+
+
+def save_on_two_ranks(ckpt_dir: str) -> None:
+    engine = make_engine(1, "fp32", seed=0)
+    train(engine, 0, 2)
+    engine.save_checkpoint(ckpt_dir)
+
+
+@pytest.fixture(scope="module")
+def two_rank_ckpt(dist_pool, tmp_path_factory) -> Path:
+    """A checkpoint written by 2 ranks; the single-process victim reads both rank files."""
+    ckpt = tmp_path_factory.mktemp("two") / "ckpt"
+    dist_pool(2).run(save_on_two_ranks, str(ckpt), timeout=300)
+    return ckpt
+
+
+def _truncate(tag_dir: Path, name: str) -> None:
+    path = tag_dir / name
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _swap(tag_dir: Path) -> None:
+    a, b = tag_dir / "rank_00000.safetensors", tag_dir / "rank_00001.safetensors"
+    a.rename(tag_dir / "swap")
+    b.rename(a)
+    (tag_dir / "swap").rename(b)
+
+
+def _swap_and_register(tag_dir: Path) -> None:
+    _swap(tag_dir)
+    register_file(tag_dir, "rank_00000.safetensors")
+    register_file(tag_dir, "rank_00001.safetensors")
+
+
+def _truncate_and_register(tag_dir: Path) -> None:
+    _truncate(tag_dir, "rank_00001.safetensors")
+    register_file(tag_dir, "rank_00001.safetensors")
+
+
+def _shift_offsets(tag_dir: Path) -> None:
+    def edit(index: dict) -> None:
+        for entry in index["params"].values():
+            if len(entry["fragments"]) == 2:
+                entry["fragments"][1]["offset"] -= 1
+                entry["fragments"][1]["numel"] += 1
+                return
+
+    rewrite_index(tag_dir, edit)
+
+
+FAULTS = {
+    "truncated_shard": (lambda d: _truncate(d, "rank_00001.safetensors"), r"rank_00001\.safetensors: corrupt: .*truncated"),
+    "truncated_shard_registered": (_truncate_and_register, r"rank_00001\.safetensors: unreadable safetensors"),
+    "truncated_index": (lambda d: _truncate(d, "index.json"), r"index\.json: corrupt: its sha256 differs"),
+    "edited_offsets": (_shift_offsets, r"index\.json: params\.[\w.]+\.fragments"),
+    "swapped_rank_files": (_swap, r"rank_0000[01]\.safetensors: corrupt: its sha256 differs"),
+    "swapped_rank_files_registered": (_swap_and_register, r"rank_00000\.safetensors: field metadata rank = '1'"),
+    "missing_shard": (lambda d: (d / "rank_00001.safetensors").unlink(), r"rank_00001\.safetensors: missing"),
+    "missing_extras": (lambda d: (d / "module_extras.safetensors").unlink(), r"module_extras\.safetensors: missing"),
+    "missing_digest": (lambda d: (d / "index.sha256").unlink(), r"index\.sha256: missing"),
+    "missing_index": (lambda d: (d / "index.json").unlink(), r"index\.json: missing"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_fault_is_named_and_nothing_is_loaded(two_rank_ckpt, victim, tmp_path, fault: str) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(two_rank_ckpt, copy)
+    damage, match = FAULTS[fault]
+    damage(copy / TAG)
+    _refused(victim, copy, match)

@@ -42,10 +42,12 @@ def _write_checkpoint(tag_dir: Path) -> dict:
     save_file(
         {"master/flat0": torch.cat([B, flat[:6]]), "state.exp_avg/flat0": torch.ones(8)},
         str(tag_dir / rank_file_name(0)),
+        metadata={"rank": "0", "world_size": "2"},
     )
     save_file(
         {"master/flat0": torch.cat([flat[6:], torch.zeros(4)]), "state.exp_avg/flat0": torch.ones(8)},
         str(tag_dir / rank_file_name(1)),
+        metadata={"rank": "1", "world_size": "2"},
     )
     files = {}
     for rank in (0, 1):
@@ -210,7 +212,8 @@ def test_rank_file_tensor_of_another_length_is_refused(tmp_path: Path) -> None:
     another save, its checksum recorded by whoever swapped it in)."""
     index = _write_checkpoint(tmp_path / "t")
     path = tmp_path / "t" / rank_file_name(1)
-    save_file({"master/flat0": torch.zeros(9), "state.exp_avg/flat0": torch.ones(9)}, str(path))
+    tensors = {"master/flat0": torch.zeros(9), "state.exp_avg/flat0": torch.ones(9)}
+    save_file(tensors, str(path), metadata={"rank": "1", "world_size": "2"})
     size, sha = file_digest(path)
     index["files"][rank_file_name(1)] = {"size": size, "sha256": sha}
     (tmp_path / "t" / INDEX_FILE).write_text(json.dumps(index))

@@ -315,9 +315,23 @@ class CheckpointReader:
             except Exception as error:  # safetensors raises its own error types
                 raise CheckpointError(f"{path}: unreadable safetensors file ({error}).") from None
             if file_name.startswith("rank_"):
+                self._check_rank_metadata(file_name, path, handle)
                 self._check_tensor_lengths(path, handle)
             self._open[file_name] = handle
         return handle
+
+    def _check_rank_metadata(self, file_name: str, path: Path, handle: Any) -> None:
+        """The file says it was written by the rank its name gives, in a run of this world size
+        (rank files swapped and re-registered in the index would otherwise load shuffled)."""
+        metadata = handle.metadata() or {}
+        expected = {"rank": str(int(file_name[len("rank_") : -len(".safetensors")])),
+                    "world_size": str(self.index["world_size"])}
+        for key, value in expected.items():
+            if metadata.get(key) != value:
+                raise CheckpointError(
+                    f"{path}: field metadata {key} = {metadata.get(key)!r}, expected {value!r} for this file "
+                    f"of {INDEX_FILE}; the file belongs to another rank or checkpoint."
+                )
 
     def _check_tensor_lengths(self, path: Path, handle: Any) -> None:
         """Every sharded tensor of a rank file has the length the index gives its flat buffer."""
