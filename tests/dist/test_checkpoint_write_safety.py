@@ -164,3 +164,11 @@ def test_to_fp32_refuses_a_latest_outside_the_directory(engine, tmp_path, capsys
         assert cli_main(["to-fp32", str(save_dir), str(tmp_path / "out.safetensors"), "--tag", latest]) == 1
         assert "plain directory name" in capsys.readouterr().err
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_to_fp32_output_that_cannot_be_written_is_one_message(engine, tmp_path, capsys) -> None:
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    (tmp_path / "a_file").write_text("")
+    assert cli_main(["to-fp32", str(tmp_path / "ckpt"), str(tmp_path / "a_file" / "out.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zeroshard to-fp32: ") and "a_file" in err and "Traceback" not in err

@@ -67,9 +67,10 @@ def _write_state_dict(state: dict[str, torch.Tensor], path: Path, metadata: dict
 
 def write_fp32(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: str | None = None) -> Path:
     """`consolidate_fp32` written to `out_path` (safetensors, or torch.save for other suffixes)."""
-    state = consolidate_fp32(ckpt_dir, tag)
+    tag_dir = resolve_checkpoint_dir(ckpt_dir, tag)  # once: `latest` may change meanwhile
+    state = consolidate_fp32(tag_dir)
     out_path = Path(out_path)
-    _write_state_dict(state, out_path, {"format": "pt", "source": str(resolve_checkpoint_dir(ckpt_dir, tag))})
+    _write_state_dict(state, out_path, {"format": "pt", "source": str(tag_dir)})
     return out_path
 
 
