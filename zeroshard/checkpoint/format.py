@@ -7,6 +7,7 @@ A checkpoint is one directory per tag under the save directory:
       latest                       the tag of the last complete checkpoint (one line)
       <tag>/
         index.json                 written by rank 0 last: everything below, described
+        index.sha256               the sha256 of index.json, checked by every load
         rank_00000.safetensors     rank 0's fragments, optimizer state and RNG state
         rank_00001.safetensors     ...one per rank of the saving run
         module_extras.safetensors  rank 0: module buffers and frozen parameters
