@@ -193,15 +193,33 @@ def _torch_rng(tensors: dict) -> None:
     tensors["rng/torch_cpu"] = tensors["rng/torch_cpu"][:100].clone()
 
 
-@pytest.mark.parametrize("bad", ["python", "torch"])
-def test_bad_rng_state_is_named_and_nothing_is_written(copy, victim, bad: str) -> None:
+def _step_as_vector(tensors: dict) -> None:
+    tensors["scalar.step/flat0"] = torch.ones(3)
+
+
+@pytest.mark.parametrize("bad", ["python", "torch", "step"])
+def test_bad_rank_file_state_is_named_and_nothing_is_written(copy, victim, bad: str) -> None:
     if bad == "python":
         rewrite_rank_file(copy / TAG, 0, metadata_edit=_python_rng)
         match = r"rank_00000\.safetensors: field metadata rng\.python = '\[3, \[1, 2\], null\]'"
-    else:
+    elif bad == "torch":
         rewrite_rank_file(copy / TAG, 0, tensors_edit=_torch_rng)
         match = r"rank_00000\.safetensors: field rng/torch_cpu = 'torch\.uint8 \[100\]'"
+    else:
+        rewrite_rank_file(copy / TAG, 0, tensors_edit=_step_as_vector)
+        match = r"field optimizer scalar step = \[3\]: must hold one element"
     _refused(victim, copy, match)
+
+
+def test_extras_file_that_disagrees_with_the_model_is_refused(copy, victim) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = copy / TAG / "module_extras.safetensors"
+    extras = load_file(str(path))
+    extras["logit_bias"] = torch.zeros(3)
+    save_file(extras, str(path))
+    register_file(copy / TAG, "module_extras.safetensors")
+    _refused(victim, copy, r"module_extras\.safetensors: tensor 'logit_bias' has shape \[3\]")
 
 
 # ------------------------------------------------- fault injection on a 2-rank checkpoint

@@ -130,10 +130,10 @@ def check_param_groups(saved: Any, optimizer: Any, path: Path) -> list[dict[str,
 
 def scalar_value(value: Any, kind: Any, where: str, field: str) -> Any:
     """A 0-d optimizer state read back, converted to what the optimizer held (`kind`)."""
-    if kind in ("float", "int", "bool"):
-        if not hasattr(value, "numel") or value.numel() != 1:
-            raise field_error(where, field, getattr(value, "shape", value), "must hold one element")
-        return {"float": float, "int": int, "bool": bool}[kind](value.item())
-    if kind != "tensor":
+    if kind not in ("tensor", "float", "int", "bool"):
         raise field_error(where, field, kind, "kind must be one of tensor, float, int, bool")
-    return value.clone()
+    if not hasattr(value, "numel") or value.numel() != 1:  # save writes only one-element tensors
+        raise field_error(where, field, list(getattr(value, "shape", [])), "must hold one element")
+    if kind == "tensor":
+        return value.clone()
+    return {"float": float, "int": int, "bool": bool}[kind](value.item())

@@ -34,6 +34,7 @@ from .fields import (
     scalar_value,
 )
 from .format import (
+    EXTRAS_FILE,
     INDEX_FILE,
     MASTER_KIND,
     PYTHON_STATE_FILE,
@@ -110,6 +111,24 @@ def _model_differences(engine: Any, index: dict[str, Any]) -> list[str]:
     if saved_aliases != aliases:
         problems.append(f"tied parameters differ: checkpoint {saved_aliases}, model {aliases}")
     return problems
+
+
+def _check_extras(engine: Any, extras: dict[str, torch.Tensor], buffer_names: list[str], reader) -> None:
+    """The extras file holds every buffer and frozen parameter the model will take from it, in
+    the model's shapes (the index said so; the file must agree, or phase 2's copy would fail)."""
+    module = engine.module
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
+    wanted = list(buffer_names) + [n for n in reader.index.get("frozen_params", {}) if n in tensors]
+    path = reader.tag_dir / EXTRAS_FILE
+    for name in wanted:
+        if name not in extras:
+            raise CheckpointError(f"{path}: tensor {name!r} missing; {INDEX_FILE} lists it.")
+        if extras[name].shape != tensors[name].shape:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {list(extras[name].shape)}, the model's is "
+                f"{list(tensors[name].shape)}; the file does not match {INDEX_FILE}."
+            )
 
 
 def _param_source(reader: CheckpointReader, extras: dict[str, torch.Tensor]):
@@ -237,6 +256,7 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
         read = _param_source(reader, extras)
         masters = [_assemble(flat, read, MASTER_KIND, flat.master.dtype) for flat in engine.flats]
         _, frozen_now, buffer_names = module_names(engine)
+        _check_extras(engine, extras, buffer_names, reader)
         module_values = {name: extras[name] for name in buffer_names}
         for name in frozen_now:  # frozen now; maybe trainable (sharded) when saved
             module_values[name] = extras[name] if name in extras else reader.read_full(name)
