@@ -78,6 +78,17 @@ def tag_scenarios(root: str) -> dict:
     path, _ = victim.load_checkpoint(str(ckpt), tag="b" if rank == 0 else None)
     out["explicit_and_latest_agree"] = Path(path).name
 
+    # Reading `latest` fails on rank 0 only with an OSError: every rank raises, none hangs.
+    def unreadable(save_dir):
+        raise PermissionError(13, "Permission denied", str(save_dir / "latest"))
+
+    if rank == 0:
+        checkpoint_load.read_latest = unreadable
+    try:
+        out["latest_unreadable"] = _error(lambda: victim.load_checkpoint(str(ckpt)))
+    finally:
+        checkpoint_load.read_latest = real_read_latest
+
     # ---- saves with different tags per rank
     records = _Records()
     logging.getLogger("zeroshard").addHandler(records)
@@ -109,7 +120,7 @@ def tag_scenarios(root: str) -> dict:
 
 
 def test_ranks_agree_on_tags(dist_pool, tmp_path) -> None:
-    ranks = dist_pool(2).run(tag_scenarios, str(tmp_path), timeout=300)
+    ranks = dist_pool(2).run(tag_scenarios, str(tmp_path), timeout=180)
     for rank, out in enumerate(ranks):
         # Loads: an error on every rank, naming both tags.
         for key, tags in (("load_a_vs_b", ("'a'", "'b'")), ("load_latest_vs_a", ("'b' (from latest)", "'a'"))):
@@ -118,6 +129,7 @@ def test_ranks_agree_on_tags(dist_pool, tmp_path) -> None:
         assert "plain directory name" in out["load_bad_tag_on_one_rank"], (rank, out["load_bad_tag_on_one_rank"])
         assert out["latest_changing"] == ("b", 2), (rank, out["latest_changing"])
         assert out["explicit_and_latest_agree"] == "b"
+        assert "latest: PermissionError" in out["latest_unreadable"], (rank, out["latest_unreadable"])
         # Saves.
         fail = out["save_Fail"]
         assert "'r0'" in fail["error"] and "'r1'" in fail["error"] and "tag_validation is Fail" in fail["error"]

@@ -48,7 +48,7 @@ from .format import (
 )
 from .rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
 from .save import module_names
-from .sync import agree, all_gather_object, local_rank_is_first
+from .sync import agree, all_gather_object, describe, local_rank_is_first
 
 logger = logging.getLogger("zeroshard")
 
@@ -460,8 +460,8 @@ def agree_on_tag(load_dir: Path, tag: str | None) -> str | None:
     if local_rank_is_first():
         try:
             latest = read_latest(load_dir)
-        except CheckpointError as exc:
-            latest_error = str(exc)
+        except Exception as exc:  # shared with every rank below; raising here alone would hang them
+            latest_error = str(exc) if isinstance(exc, CheckpointError) else f"{load_dir / 'latest'}: {describe(exc)}"
     passed = all_gather_object((tag, latest, latest_error))
     _, latest, latest_error = passed[0]
     if any(t is None for t, _, _ in passed) and latest_error is not None:
