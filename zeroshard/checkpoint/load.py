@@ -48,7 +48,7 @@ from .format import (
 )
 from .rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
 from .save import module_names
-from .sync import agree, all_gather_object, describe, local_rank_is_first
+from .sync import agree, all_gather_object, describe, is_rank_zero
 
 logger = logging.getLogger("zeroshard")
 
@@ -113,7 +113,9 @@ def _model_differences(engine: Any, index: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_extras(engine: Any, extras: dict[str, torch.Tensor], buffer_names: list[str], reader) -> None:
+def _check_extras(
+    engine: Any, extras: dict[str, torch.Tensor], buffer_names: list[str], reader: CheckpointReader
+) -> None:
     """The extras file holds every buffer and frozen parameter the model will take from it, in
     the model's shapes (the index said so; the file must agree, or phase 2's copy would fail)."""
     module = engine.module
@@ -232,7 +234,9 @@ def _python_state(reader: CheckpointReader, allow_pickle: bool) -> dict[str, Any
     return state
 
 
-def _entry_value(reader: CheckpointReader, entry: dict[str, Any] | None, key: str, cache: dict, options) -> Any:
+def _entry_value(
+    reader: CheckpointReader, entry: dict[str, Any] | None, key: str, cache: dict, options: LoadOptions
+) -> Any:
     if entry is None:
         return None
     if "json" in entry:
@@ -457,7 +461,7 @@ def agree_on_tag(load_dir: Path, tag: str | None) -> str | None:
     """
     latest: str | None = None
     latest_error: str | None = None
-    if local_rank_is_first():
+    if is_rank_zero():
         try:
             latest = read_latest(load_dir)
         except Exception as exc:  # shared with every rank below; raising here alone would hang them

@@ -28,7 +28,7 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def local_rank_is_first() -> bool:
+def is_rank_zero() -> bool:
     """Whether this process is rank 0 (or the only process)."""
     return not _distributed() or dist.get_rank() == 0
 
