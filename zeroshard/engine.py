@@ -101,6 +101,7 @@ class Engine:
         self._global_grad_norm: float | None = None
         self._post_clip_grad_norm: float | None = None
         self._needs_flush = False  # local gradients a backward left unreduced
+        self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
         if muon.is_muon_requested(optimizer, config.optimizer):
@@ -345,7 +346,7 @@ class Engine:
                 return x
 
             args, kwargs = tree_map(cast, (args, kwargs))
-        with forward_context(self.precision_plan, self.device.type):
+        with forward_context(self.precision_plan, self.device.type, self._autocast_warned):
             return self.module(*args, **kwargs)
 
     __call__ = forward

@@ -217,7 +217,7 @@ def test_build_scheduler_unknown_type_lists_supported() -> None:
     message = str(info.value)
     assert message.startswith("scheduler.type='WarmupLr': not a supported scheduler.")
     assert "Did you mean 'WarmupLR'?" in message
-    assert "Supported: WarmupLR, WarmupDecayLR, WarmupCosineLR." in message
+    assert "Supported: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle." in message
 
 
 def test_build_scheduler_reports_every_bad_param() -> None:
