@@ -512,8 +512,14 @@ def check_config(
     cfg._no_effect_keys = list(report.no_effect)
     fp16_path = report.written_as.get("fp16", "fp16")
     if not cfg.fp16.enabled or cfg.fp16.loss_scale > 0:
-        written = data.get("fp16", {}) if isinstance(data.get("fp16"), dict) else {}
-        cfg._no_effect_keys.extend(f"{fp16_path}.{k}" for k in FP16Config.DYNAMIC_ONLY if k in written)
+        # Dynamic-scaling knobs beside a static scale or with fp16 off: DeepSpeed accepts them
+        # and so do we, as "accepted, no effect" (listed, and warned about once).
+        written = data.get(fp16_path) if isinstance(data.get(fp16_path), dict) else {}
+        for key in FP16Config.DYNAMIC_ONLY:
+            if key in written:
+                cfg._no_effect_keys.append(f"{fp16_path}.{key}")
+                if written[key] != FP16Config.model_fields[key].default:
+                    report.no_effect_changed.append(f"{fp16_path}.{key}")
     _collect_defaults(cfg, cleaned, "", cfg._defaults_applied)
     if cfg.zero_optimization.overlap_comm is None:
         cfg.zero_optimization.__dict__["overlap_comm"] = cfg.zero_optimization.overlap_comm_resolved
