@@ -36,7 +36,7 @@ def forward_context(
     """
     warned = set() if warned is None else warned
     outer = torch.is_autocast_enabled(device_type)
-    if plan.mode == "torch_autocast":
+    if plan.autocast_dtype is not None:  # torch_autocast mode, or bf16 with torch_autocast
         if outer and torch.get_autocast_dtype(device_type) != plan.autocast_dtype:
             _warn_once(
                 warned,

@@ -238,6 +238,8 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']}")
     for note in precision["notes"]:
         console.print(f"note: {note}")
+    for choice in precision.get("lossy", []):
+        console.print(f"[bold]LOSSY[/bold]: {choice}", highlight=False)
 
     if model is not None:
         console.print(f"\nmodel [bold]{model['spec']}[/bold]: {model['num_params']:,} parameters")

@@ -12,6 +12,7 @@ its state in the dtype the plan asks for). Every problem found is reported in on
 from __future__ import annotations
 
 import os
+import warnings
 
 from .config import PRECISION_KEYS, ConfigError, ZeroshardConfig, check_config
 from .optim.build import state_dtype_problem
@@ -53,5 +54,13 @@ def resolve_config(raw: dict | str | os.PathLike, world_size: int = 1) -> Zerosh
             problems.append(problem)
     if problems:
         raise ConfigError(problems)
+    assert plan is not None
+    new = [choice for choice in plan.lossy if choice not in _warned_lossy]
+    if new:  # explain silences this: it prints the same sentences as LOSSY lines
+        _warned_lossy.update(new)
+        warnings.warn("zeroshard: lossy precision choices in the config:\n  " + "\n  ".join(new), stacklevel=2)
     cfg._precision_plan = plan
     return cfg
+
+
+_warned_lossy: set[str] = set()  # each lossy choice is warned about once per process
