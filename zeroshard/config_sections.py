@@ -368,11 +368,13 @@ class TorchAutocastConfig(_Section):
 
 
 class DataTypesConfig(_Section):
-    """``data_types``: ``grad_accum_dtype`` (None lets the precision plan choose, fp32)."""
+    """``data_types``: ``grad_accum_dtype`` (None lets the precision plan choose, fp32) and
+    ``buffer_dtype`` (None: floating buffers keep their own dtype in every mode)."""
 
     grad_accum_dtype: str | None = None
+    buffer_dtype: str | None = None
 
-    @field_validator("grad_accum_dtype")
+    @field_validator("grad_accum_dtype", "buffer_dtype")
     @classmethod
     def _check_dtype(cls, value: str | None) -> str | None:
         return _validate_dtype_name(value)

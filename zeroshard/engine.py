@@ -144,7 +144,8 @@ class Engine:
 
     # ------------------------------------------------------------------ setup
     def _cast_module(self, model: nn.Module) -> None:
-        """Give every parameter its group's dtype; floating buffers follow in bf16/fp16 modes."""
+        """Give every parameter its group's dtype; floating buffers keep theirs unless the plan
+        names a buffer dtype (data_types.buffer_dtype)."""
         names = assign_param_groups(self.precision_plan, model)
         self._param_group_name = {id(p): names[n] for n, p in model.named_parameters()}
         with torch.no_grad():
@@ -152,8 +153,8 @@ class Engine:
                 dtype = self.precision_plan.groups[names[n]].param_dtype
                 if p.dtype != dtype and p.is_floating_point():
                     p.data = p.data.to(dtype)
-            if self.precision_plan.mode in ("bf16", "fp16"):
-                dtype = next(iter(self.precision_plan.groups.values())).param_dtype
+            if self.precision_plan.buffer_dtype is not None:
+                dtype = self.precision_plan.buffer_dtype
                 for buf_name, buf in model.named_buffers():
                     if buf.is_floating_point():
                         owner, _, leaf = buf_name.rpartition(".")

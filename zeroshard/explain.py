@@ -236,6 +236,7 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     table.add_row("loss scaling", *([scale_text] * len(groups)))
     console.print(table)
     console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']}")
+    console.print(f"floating buffers: {precision.get('buffers', 'own dtype')} (data_types.buffer_dtype)")
     for note in precision["notes"]:
         console.print(f"note: {note}")
     for choice in precision.get("lossy", []):

@@ -141,6 +141,9 @@ class PrecisionPlan:
         notes: deliberate choices worth telling the user (printed by explain).
         lossy: the lossy choices the config makes (narrower accumulation or wire dtype), one
             sentence each naming the key (explain marks them; initialize warns once).
+        buffer_dtype: the dtype floating buffers are cast to (``data_types.buffer_dtype``);
+            None keeps each buffer's own dtype, in every mode (a rotary ``inv_freq`` stays fp32
+            in bf16 training).
     """
 
     mode: str
@@ -151,6 +154,7 @@ class PrecisionPlan:
     check_grad_overflow: bool
     notes: list[str] = field(default_factory=list)
     lossy: list[str] = field(default_factory=list)
+    buffer_dtype: torch.dtype | None = None
 
     def group_for_module(self, module: nn.Module) -> RolePlan:
         """The group of the parameters that ``module`` owns directly."""
@@ -178,6 +182,7 @@ class PrecisionPlan:
             "check_grad_overflow": self.check_grad_overflow,
             "notes": list(self.notes),
             "lossy": list(self.lossy),
+            "buffers": dtype_name(self.buffer_dtype) if self.buffer_dtype else "own dtype",
         }
 
 
@@ -406,6 +411,7 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
         check_grad_overflow=check_overflow,
         notes=notes,
         lossy=_lossy_choices(config, groups),
+        buffer_dtype=_torch_dtype(config.data_types.buffer_dtype) if config.data_types.buffer_dtype else None,
     )
 
 
