@@ -337,7 +337,11 @@ def _type_fix(value: Any, rule: str) -> str:
         return "Write true or false (a JSON boolean)."
     if "integer" in rule and isinstance(value, float):
         return "Write a whole number."
-    return "Write a value of that type."
+    if "string" in rule:
+        return "Write it in double quotes."
+    if "list" in rule:
+        return "Write a JSON list: [...]."
+    return "Write a number without quotes."
 
 
 def _written_path(path: str, report: _Report) -> str:
@@ -370,7 +374,7 @@ def _drop(cleaned: dict[str, Any], loc: tuple[Any, ...]) -> None:
     for i, part in enumerate(loc):
         if not isinstance(node, dict) or part not in node:
             return
-        if i == len(loc) - 1 or not isinstance(node[part], dict):
+        if i == len(loc) - 1 or not isinstance(node[part], dict):  # a leaf, or inside a list
             del node[part]
             return
         node = node[part]
