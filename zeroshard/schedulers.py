@@ -405,6 +405,7 @@ class OneCycle(_Schedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, _check_last_batch_iteration(last_batch_iteration))
+        # Every argument by its rule in _RULES (the one the config validation applies too).
         for key, value in list(locals().items()):
             if key in _RULES:
                 _RULES[key](key, value)
