@@ -101,6 +101,7 @@ class Engine:
         self._global_grad_norm: float | None = None
         self._post_clip_grad_norm: float | None = None
         self._needs_flush = False  # local gradients a backward left unreduced
+        self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
         if muon.is_muon_requested(optimizer, config.optimizer):
@@ -143,7 +144,8 @@ class Engine:
 
     # ------------------------------------------------------------------ setup
     def _cast_module(self, model: nn.Module) -> None:
-        """Give every parameter its group's dtype; floating buffers follow in bf16/fp16 modes."""
+        """Give every parameter its group's dtype; floating buffers keep theirs unless the plan
+        names a buffer dtype (data_types.buffer_dtype)."""
         names = assign_param_groups(self.precision_plan, model)
         self._param_group_name = {id(p): names[n] for n, p in model.named_parameters()}
         with torch.no_grad():
@@ -151,8 +153,8 @@ class Engine:
                 dtype = self.precision_plan.groups[names[n]].param_dtype
                 if p.dtype != dtype and p.is_floating_point():
                     p.data = p.data.to(dtype)
-            if self.precision_plan.mode in ("bf16", "fp16"):
-                dtype = next(iter(self.precision_plan.groups.values())).param_dtype
+            if self.precision_plan.buffer_dtype is not None:
+                dtype = self.precision_plan.buffer_dtype
                 for buf_name, buf in model.named_buffers():
                     if buf.is_floating_point():
                         owner, _, leaf = buf_name.rpartition(".")
@@ -345,7 +347,7 @@ class Engine:
                 return x
 
             args, kwargs = tree_map(cast, (args, kwargs))
-        with forward_context(self.precision_plan, self.device.type):
+        with forward_context(self.precision_plan, self.device.type, self._autocast_warned):
             return self.module(*args, **kwargs)
 
     __call__ = forward
