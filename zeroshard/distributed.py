@@ -9,6 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .device import cuda_device_index, uses_nccl
+
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -29,9 +31,12 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
     if not launched_by_torchrun():
         return
     backend = dist_backend or default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    kwargs = {"timeout": timeout} if timeout is not None else {}
+    kwargs: dict = {"timeout": timeout} if timeout is not None else {}
+    if uses_nccl(backend):
+        # Bind the group to this rank's GPU (NCCL's communicators and barriers use it).
+        index = cuda_device_index(int(os.environ["WORLD_SIZE"]))
+        torch.cuda.set_device(index)
+        kwargs["device_id"] = torch.device("cuda", index)
     dist.init_process_group(backend=backend, **kwargs)
     # A process that exits with the group alive can abort in the backend's threads at
     # interpreter shutdown ("terminate called without an active exception"); the group
