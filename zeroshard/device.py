@@ -10,13 +10,13 @@ refused there, since the collectives zeroshard needs do not run on CUDA tensors 
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .launchers import launcher_local_rank
 
 # Backends whose collectives do not take CUDA tensors (reduce-scatter in particular).
 _NO_CUDA_COLLECTIVES = ("gloo",)
@@ -48,20 +48,9 @@ def group_cuda_backend() -> str | None:
     return backends_by_device(str(described)).get("cuda")
 
 
-def local_rank(environ: Mapping[str, str] | None = None) -> int | None:
-    """This process's index on its machine, from LOCAL_RANK (torchrun, `zeroshard launch`, or
-    `init_distributed`'s mapping of other launchers); None when it is not set."""
-    environ = os.environ if environ is None else environ
-    value = environ.get("LOCAL_RANK")
-    if value is None or value == "":
-        return None
-    if not value.strip().isdigit():
-        raise ValueError(f"LOCAL_RANK={value!r}: must be a non-negative integer. Unset it or fix the launcher.")
-    return int(value)
-
-
 def cuda_device_index(world_size: int = 1) -> int:
-    """The GPU of this process: LOCAL_RANK modulo the visible GPUs.
+    """The GPU of this process: LOCAL_RANK (or srun's / mpirun's local rank when LOCAL_RANK is
+    not set) modulo the visible GPUs.
 
     Without LOCAL_RANK a single process keeps the current device (the user's
     `torch.cuda.set_device` or CUDA_VISIBLE_DEVICES); several processes on a machine with
@@ -70,7 +59,7 @@ def cuda_device_index(world_size: int = 1) -> int:
     count = torch.cuda.device_count()
     if count < 1:
         raise RuntimeError("CUDA reports no visible device. Check CUDA_VISIBLE_DEVICES.")
-    rank = local_rank()
+    rank = launcher_local_rank()
     if rank is None:
         if world_size <= 1:
             return torch.cuda.current_device()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .device import cuda_device_index, uses_nccl
+from .launchers import discover_launch, export_launch
 
 
 def default_backend() -> str:
@@ -23,18 +24,22 @@ def launched_by_torchrun() -> bool:
 def init_distributed(dist_backend: str | None = None, timeout: timedelta | None = None) -> None:
     """Create the default process group from torchrun's environment, once.
 
-    NCCL when a GPU is present, gloo otherwise. Without torchrun's environment variables
-    nothing is created and the engine runs as a single process (world size 1).
+    NCCL when a GPU is present, gloo otherwise. Under srun, mpirun or another PMI launcher
+    without torchrun's variables, the launcher's are mapped to them first (see
+    `zeroshard.launchers`; a mapping that needs MASTER_ADDR is refused naming it). Without any
+    launcher nothing is created and the engine runs as a single process (world size 1).
     """
     if dist.is_initialized():
         return
-    if not launched_by_torchrun():
+    launch = discover_launch()  # torchrun's variables, or srun's / mpirun's mapped to them
+    if launch is None:
         return
+    export_launch(launch)
     backend = dist_backend or default_backend()
     kwargs: dict = {"timeout": timeout} if timeout is not None else {}
     if uses_nccl(backend):
         # Bind the group to this rank's GPU (NCCL's communicators and barriers use it).
-        index = cuda_device_index(int(os.environ["WORLD_SIZE"]))
+        index = cuda_device_index(launch.world_size)
         torch.cuda.set_device(index)
         kwargs["device_id"] = torch.device("cuda", index)
     dist.init_process_group(backend=backend, **kwargs)

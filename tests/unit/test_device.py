@@ -121,7 +121,7 @@ def test_one_gpu_needs_no_local_rank(monkeypatch):
 def test_bad_local_rank_is_named(monkeypatch):
     FakeCuda(monkeypatch, count=2)
     monkeypatch.setenv("LOCAL_RANK", "first")
-    with pytest.raises(ValueError, match="LOCAL_RANK='first': must be a non-negative integer"):
+    with pytest.raises(RuntimeError, match="LOCAL_RANK='first': must be a non-negative integer"):
         select_device()
 
 
