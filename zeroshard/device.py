@@ -10,7 +10,9 @@ refused there, since the collectives zeroshard needs do not run on CUDA tensors 
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,24 @@ def backends_by_device(backend: str) -> dict[str, str]:
 def uses_nccl(backend: str) -> bool:
     """Whether a backend string (as given to init_process_group) runs CUDA collectives on NCCL."""
     return backends_by_device(backend).get("cuda") == "nccl"
+
+
+def binds_device_id(world_size: int, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether init_distributed passes `device_id` to an NCCL init_process_group.
+
+    Binding tells NCCL each rank's GPU up front (without it barriers guess the GPU from the
+    rank and warn that a wrong guess hangs). As DeepSpeed does since its fix for one-process
+    jobs (new_group after binding failed with CUDA error 600 there), a world of one is not
+    bound. ZEROSHARD_NCCL_DEVICE_ID=0 turns binding off: some torch releases hung with bound
+    groups plus further NCCL groups (DeepSpeed and open-instruct reports, torch 2.6-2.7).
+    """
+    environ = os.environ if environ is None else environ
+    setting = environ.get("ZEROSHARD_NCCL_DEVICE_ID", "").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return False
+    if setting not in ("", "1", "true", "yes", "on"):
+        raise ValueError(f"ZEROSHARD_NCCL_DEVICE_ID={setting!r}: must be 0 or 1. Unset it for the default.")
+    return world_size > 1 or setting != ""
 
 
 def group_cuda_backend() -> str | None:

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .device import cuda_device_index, uses_nccl
+from .device import binds_device_id, cuda_device_index, uses_nccl
 from .launchers import discover_launch, export_launch
 
 
@@ -38,10 +38,10 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
     backend = dist_backend or default_backend()
     kwargs: dict = {"timeout": timeout} if timeout is not None else {}
     if uses_nccl(backend):
-        # Bind the group to this rank's GPU (NCCL's communicators and barriers use it).
         index = cuda_device_index(launch.world_size)
         torch.cuda.set_device(index)
-        kwargs["device_id"] = torch.device("cuda", index)
+        if binds_device_id(launch.world_size):
+            kwargs["device_id"] = torch.device("cuda", index)
     dist.init_process_group(backend=backend, **kwargs)
     # A process that exits with the group alive can abort in the backend's threads at
     # interpreter shutdown ("terminate called without an active exception"); the group

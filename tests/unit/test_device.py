@@ -16,7 +16,7 @@ from torch import nn
 
 import zeroshard
 from zeroshard import distributed
-from zeroshard.device import backends_by_device, select_device, uses_nccl
+from zeroshard.device import backends_by_device, binds_device_id, select_device, uses_nccl
 
 
 class FakeCuda:
@@ -163,3 +163,27 @@ def test_init_distributed_gloo_binds_no_device(monkeypatch):
     distributed.init_distributed()
     assert calls == [{"backend": "gloo"}]
     assert cuda.set_calls == []
+
+
+@pytest.mark.parametrize("world_size,setting,binds", [
+    (8, None, True), (1, None, False), (8, "0", False), (8, "off", False), (1, "1", True),
+])
+def test_device_id_binding(monkeypatch, world_size, setting, binds):
+    """set_device always; device_id only for several ranks unless ZEROSHARD_NCCL_DEVICE_ID says."""
+    cuda = FakeCuda(monkeypatch, count=4)
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
+    set_env(monkeypatch, RANK="0", WORLD_SIZE=str(world_size), LOCAL_RANK="2", MASTER_ADDR="h", MASTER_PORT="1")
+    if setting is not None:
+        monkeypatch.setenv("ZEROSHARD_NCCL_DEVICE_ID", setting)
+    distributed.init_distributed(dist_backend="nccl")
+    assert ("device_id" in calls[0]) == binds
+    assert cuda.set_calls == [2]
+
+
+def test_bad_device_id_setting_is_named(monkeypatch):
+    monkeypatch.setenv("ZEROSHARD_NCCL_DEVICE_ID", "maybe")
+    with pytest.raises(ValueError, match="ZEROSHARD_NCCL_DEVICE_ID='maybe': must be 0 or 1"):
+        binds_device_id(2)
