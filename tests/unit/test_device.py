@@ -187,3 +187,13 @@ def test_bad_device_id_setting_is_named(monkeypatch):
     monkeypatch.setenv("ZEROSHARD_NCCL_DEVICE_ID", "maybe")
     with pytest.raises(ValueError, match="ZEROSHARD_NCCL_DEVICE_ID='maybe': must be 0 or 1"):
         binds_device_id(2)
+
+
+def test_a_group_made_under_srun_without_local_rank_uses_slurm_localid(monkeypatch):
+    """A user's own init_process_group under srun: LOCAL_RANK unset, SLURM_LOCALID says the GPU."""
+    cuda = FakeCuda(monkeypatch, count=4)
+    fake_group(monkeypatch, "cuda:nccl", world_size=8)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    set_env(monkeypatch, SLURM_PROCID="6", SLURM_LOCALID="2", SLURM_NTASKS="8")
+    assert select_device() == torch.device("cuda", 2)
+    assert cuda.set_calls == [2]
