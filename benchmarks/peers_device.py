@@ -45,7 +45,9 @@ def init_group(device: str, rank: int | None = None, world_size: int | None = No
         local = int(os.environ.get("LOCAL_RANK", rank or 0))
         torch.cuda.set_device(local)
         where = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=where, **kwargs)
+        # Bound to the GPU for several ranks only, as zeroshard.init_distributed does.
+        ranks = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        dist.init_process_group("nccl", **({"device_id": where} if ranks > 1 else {}), **kwargs)
         return where
     dist.init_process_group("gloo", **kwargs)
     return torch.device("cpu")
