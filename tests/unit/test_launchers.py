@@ -29,6 +29,8 @@ from zeroshard.launchers import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The torchrun variables as this test process started (normally none).
+ORIGINAL_TORCHRUN_ENV = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR") if k in os.environ}
 
 SRUN = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8", "SLURM_NTASKS": "16",
         "SLURM_STEP_NODELIST": "gpu[07-10]", "SLURM_JOB_NODELIST": "gpu[01-10]", "SLURM_JOB_ID": "123456"}
@@ -134,10 +136,15 @@ def test_launcher_local_rank():
 
 @pytest.fixture
 def clean_environ(monkeypatch):
+    """No launcher variables; init_process_group recorded, not run. The torchrun variables
+    init_distributed exports are removed again afterwards (set-then-delete makes monkeypatch
+    track them: left behind, RANK=3 WORLD_SIZE=4 sent later tests' initialize into a
+    rendezvous that never completes)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     for key in list(os.environ):
-        if key.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL", "AZ_BATCH")) or key in (
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
-        ):
+        if key.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL", "AZ_BATCH")):
             monkeypatch.delenv(key)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
@@ -168,6 +175,12 @@ def test_init_distributed_refuses_rather_than_training_alone(monkeypatch, clean_
 def test_init_distributed_without_a_launcher_creates_nothing(clean_environ):
     distributed.init_distributed()
     assert clean_environ == []
+
+
+def test_init_distributed_tests_leave_no_torchrun_variables_behind():
+    """Runs after the tests above (file order): what they exported is gone."""
+    leaked = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR") if k in os.environ}
+    assert leaked == {k: v for k, v in ORIGINAL_TORCHRUN_ENV.items() if k in leaked}, leaked
 
 
 RANK_SCRIPT = """
