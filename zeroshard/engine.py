@@ -23,6 +23,7 @@ from . import comm, full_tensors
 from .autocast import forward_context
 from .backward import BackwardCoordinator, wrap_outputs
 from .config import ZeroshardConfig
+from .device import select_device
 from .flat import FlatParamGroup
 from .grad_reduce import GradientReducer
 from .loss_scale import make_loss_scaler
@@ -88,11 +89,7 @@ class Engine:
         self.world_size = comm.world_size()
         self.global_rank = comm.rank()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        self.device = select_device(model)
         self.module = model.to(self.device)
         self.global_steps = 0
         self.micro_steps = 0

@@ -45,6 +45,7 @@ from .newton_schulz import (
     DEFAULT_NS_STEPS,
     NS_DTYPE_NAMES,
     NS_METHODS,
+    ns_input_dtype,
     orthogonalize,
     resolve_ns_dtype,
     update_scale,
@@ -544,8 +545,7 @@ class ShardedMuon(torch.optim.Optimizer):
         if master_numel == flat.padded_numel:
             full_u = u
         else:
-            # A narrower wire dtype changes nothing: NS casts its input to it first.
-            wire = compute_dtype if compute_dtype.itemsize < u.dtype.itemsize else u.dtype
+            wire = ns_input_dtype(compute_dtype, u.dtype)  # never fp16 before normalising
             full_u = torch.empty(flat.padded_numel, dtype=wire, device=u.device)
             comm.all_gather(full_u, u.to(wire), tag="muon")
 
