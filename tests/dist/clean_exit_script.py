@@ -2,9 +2,10 @@
 
     torchrun --standalone --nproc_per_node 2 tests/dist/clean_exit_script.py CHECKPOINT_DIR
 
-A stage-2 engine and then a stage-3 engine each train two optimizer steps (two micro-steps
-each, so every backward issues asynchronous gradient reductions from autograd hooks), save a
-checkpoint, and the stage-3 engine runs one more backward just before the script ends. The
+A stage-2 engine and then a stage-3 engine (hybrid sharding: a second process group) each
+train two optimizer steps (two micro-steps each, so every backward issues asynchronous
+gradient reductions from autograd hooks), save a checkpoint, and the stage-3 engine runs one
+more backward just before the script ends. The
 script neither frees the engines nor destroys the process group: zeroshard created the group
 (`initialize` under torchrun) and must tear it down at exit without an abort.
 
@@ -50,13 +51,18 @@ import zeroshard  # noqa: E402
 
 
 def config(stage: int) -> dict:
-    return {
+    cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         # Small buckets: several reductions per backward, so several are in flight at once.
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64},
     }
+    if stage == 3:
+        # Hybrid sharding with shard groups of 1: the engine creates a second process group
+        # (the replicas, both ranks) and holds it; it must not outlive the default group.
+        cfg["zeroshard"] = {"shard_group_size": 1}
+    return cfg
 
 
 def train(stage: int, save_dir: str, trailing_backward: bool):
