@@ -20,7 +20,9 @@ joins its worker threads (with the GIL released), so the group must be gone firs
   is first imported, and torch imports it lazily (the first optimizer imports torch._dynamo,
   which imports FSDP, which imports it), i.e. after the group exists: the group then
   outlives `destroy_process_group` and its threads live into finalization. Importing that
-  module here, with zeroshard, before any group exists leaves its defaults at None.
+  module here, with zeroshard, before any group exists leaves its defaults at None; and
+  zeroshard itself holds groups only through weak references (`comm.Group.handle_ref`), so
+  an engine still alive at exit does not keep them.
 """
 
 from __future__ import annotations
