@@ -321,4 +321,4 @@ def group_of(handle: object) -> Group:
     """A `Group` for a torch process group a caller holds (DeepSpeed code passes those as
     `ep_group`); a handle of one rank becomes a group without communication."""
     ranks = tuple(dist.get_process_group_ranks(handle))
-    return Group(ranks, ranks.index(rank()), handle if len(ranks) > 1 else None)
+    return Group(ranks, ranks.index(rank()), _weak(handle) if len(ranks) > 1 else None)

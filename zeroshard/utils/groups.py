@@ -44,13 +44,21 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, **_ignored) -> 
     from ..layout import partition
 
     name = expert_group_name(expert_parallel_size_)
-    if name in _EXPERT_PARALLEL_GROUP:
+    if name in _EXPERT_PARALLEL_GROUP and all(
+        _alive(table[name]) for table in (_EXPERT_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP)
+    ):
         return
     world = comm.world_group()
     check_ep_size(expert_parallel_size_, world.size)
     ep, edp = partition(world, expert_parallel_size_)
     _EXPERT_PARALLEL_GROUP[name] = ep
     _EXPERT_DATA_PARALLEL_GROUP[name] = edp
+
+
+def _alive(group: Group) -> bool:
+    """False once torch's process group behind `group` was destroyed (a new process group
+    was initialised since: the groups are built again)."""
+    return group.handle_ref is None or group.handle_ref() is not None
 
 
 def _require(table: dict[str, Group], group_name: str, what: str) -> Group:
