@@ -38,7 +38,7 @@ from typing import Any
 from . import comm
 from .comm import Group
 
-PLACEMENTS = ("device",)  # where masters and optimizer state live; "host" comes with offload
+PLACEMENTS = ("device", "host")  # where a role lives; "host" with ZeRO-Offload (zeroshard/offload.py)
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,18 @@ class ShardingSpec:
             all-reduced over it); a group of one without replication.
         peers: every rank holding these parameters, shard x replicate (the initial broadcast,
             GatheredParameters' broadcast).
-        placement: where master weights and optimizer state live ("device" today).
+        placement: where master weights and optimizer state live ("device", or "host" with
+            offload_optimizer).
+        param_placement: where stage 3's parameter shard lives ("host" with offload_param).
+        pin_memory: host buffers are pinned (offload's pin_memory, with a GPU present).
     """
 
     shard: Group
     replicate: Group
     peers: Group
     placement: str = "device"
+    param_placement: str = "device"
+    pin_memory: bool = False
 
     @property
     def replication(self) -> int:
