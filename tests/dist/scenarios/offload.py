@@ -223,3 +223,22 @@ def load_moved(case: Case, ckpt_dir: str) -> dict[str, Any]:
     out["module"] = full_module_params(engine)
     out["placement"] = engine.layout.dense.placement
     return out
+
+
+def modify_with_gathered_parameters(cases: list[Case]) -> list[dict[str, Any]]:
+    """After one step, rank 0 sets one weight to 0.5 inside GatheredParameters(modifier_rank=0);
+    returns the full masters before and after, and the module parameter after."""
+    from zeroshard.zero import GatheredParameters
+
+    results = []
+    for case in cases:
+        engine = build_engine(case)
+        _train(engine, case, case_batches(case)[:1])
+        before = full_masters(engine)
+        param = dict(engine.module.named_parameters())["blocks.0.fc.weight"]
+        with GatheredParameters([param], modifier_rank=0):
+            if dist.get_rank() == 0:
+                with torch.no_grad():
+                    param.fill_(0.5)
+        results.append({"before": before, "after": full_masters(engine), "module": full_module_params(engine)})
+    return results
