@@ -181,3 +181,19 @@ def test_gathered_parameters_modifier_writes_the_host_master(dist_pool):
                 assert torch.equal(result["module"][name].float(), after), case.label
             else:
                 assert torch.equal(after, before), f"{case.label}: {name} changed"
+
+
+def test_other_precision_modes_with_offload(dist_pool):
+    """fp16 (dynamic loss scale), torch_autocast(bf16) (fp32 parameters: the master is a host
+    copy of its own) and bf16 accumulation, stages 1-3, four backwards per step: offload
+    trains as the engine without it, within the bf16 bound (what these modes round is
+    identical on both sides; only the optimizer kernel differs)."""
+    modes = ("fp16", "autocast_bf16", "bf16_accum_bf16")
+    cases = [(Case(stage=s, mode=m, micro=4, ga=1, keep=KEEP), 4) for m in modes for s in (1, 2, 3)]
+    results = dist_pool(2).run(offload_vs_none, cases, timeout=600)[0]
+    for (case, k), result in zip(cases, results, strict=True):
+        none, off = result["none"], result["offload"]
+        assert off["norms"] == none["norms"], f"{case.label}: norms {off['norms']} vs {none['norms']}"
+        for step in range(case.steps):
+            diff = max_diff(off["master"][step], none["master"][step])
+            assert diff <= TOLERANCE["bf16"], f"{case.label}: step {step + 1} masters differ by {diff:.3g}"
