@@ -28,6 +28,7 @@ from .grad_reduce import GradientReducer
 from .layout import ParallelLayout
 from .loss_scale import make_loss_scaler
 from .moe.utils import attach_expert_groups, is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from .offload import OffloadPlan, build_host_optimizer, place_layout
 from .optim import build_optimizer, muon, repoint_optimizer
 from .param_registry import ParamRegistry
 from .param_schedule import ParamSchedule
@@ -91,7 +92,9 @@ class Engine:
         self.config = config
         self.precision_plan = plan
         self.policy = stage_policy(config.zero_optimization.stage)
-        self.layout = layout if layout is not None else ParallelLayout.build(config.zeroshard.shard_group_size)
+        layout = layout if layout is not None else ParallelLayout.build(config.zeroshard.shard_group_size)
+        self.offload = OffloadPlan.from_config(config.zero_optimization)
+        self.layout = place_layout(layout, self.offload)  # where each role lives (offload.py)
         self.world_size = self.layout.world_size
         self.global_rank = self.layout.rank
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -101,6 +104,7 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
+        self._stepped_after_backward = -1  # backward_count at the last step() call
         self._global_grad_norm: float | None = None
         self._post_clip_grad_norm: float | None = None
         self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
@@ -232,6 +236,10 @@ class Engine:
             return repoint_optimizer(optimizer, masters_by_group)
         if callable(optimizer):
             return optimizer(groups)
+        if self.config.optimizer is not None and self._step.placement == "host":
+            return build_host_optimizer(
+                self.config.optimizer.type, dict(self.config.optimizer.params), groups, state_dtype
+            )
         if self.config.optimizer is not None:
             return build_optimizer(
                 self.config.optimizer.type, dict(self.config.optimizer.params), groups, state_dtype
@@ -306,7 +314,16 @@ class Engine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> None:
-        """The optimizer step, at the accumulation boundary only."""
+        """The optimizer step, at the accumulation boundary only.
+
+        A second call for the same step (no backward since the last `step()`) changes
+        nothing: no optimizer step, no counter moves, so Adam's bias correction is what one
+        call gives. Every rank counts the same backwards (a rank whose loss missed the model
+        still runs the backward epilogue in `engine.backward`), so they agree on it.
+        """
+        if self._grads.backward_count == self._stepped_after_backward:
+            return
+        self._stepped_after_backward = self._grads.backward_count
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is None:
                 raise RuntimeError(

@@ -152,6 +152,7 @@ def explain_data(
             "derived": list(config.derived_keys),
         },
         "optimizer": config.optimizer.type if config.optimizer else None,
+        "placement": _placement(config),
         "precision": plan.as_dict(),
         "defaults_applied": list(config.defaults_applied),
         "no_effect_keys": list(config.no_effect_keys),
@@ -196,6 +197,20 @@ def explain_data(
         "estimate": estimate.as_dict() if estimate else None,
     }
     return data
+
+
+def _placement(config: ZeroshardConfig) -> dict[str, Any]:
+    """Where each role lives (ZeRO-Offload moves some to the host, zeroshard/offload.py)."""
+    zero = config.zero_optimization
+    host_params = zero.param_offload and zero.stage == 3
+    return {
+        "params": "host (shard; gathered on the device)" if host_params else "device",
+        "gradients": "device (reduced shard copied to the host at the step)" if zero.optimizer_offload else "device",
+        "master_weights": "host" if zero.optimizer_offload else "device",
+        "optimizer_state": "host" if zero.optimizer_offload else "device",
+        "optimizer_step": "host CPU (fused CPU Adam)" if zero.optimizer_offload else "device",
+        "pin_memory": zero.offload_pin_memory,
+    }
 
 
 def _human(nbytes: float) -> str:
@@ -244,6 +259,11 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     console.print(table)
     console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']}")
     console.print(f"floating buffers: {precision.get('buffers', 'own dtype')} (data_types.buffer_dtype)")
+    place = data["placement"]
+    console.print(
+        "where each role lives: " + ", ".join(f"{k} {v}" for k, v in place.items() if k != "pin_memory")
+        + (" (host buffers pinned)" if place["pin_memory"] else "")
+    )
     for note in precision["notes"]:
         console.print(f"note: {note}")
     for choice in precision.get("lossy", []):
@@ -288,14 +308,20 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     else:
         mem = Table(title=f"Per-rank memory estimate ({estimate['num_params']:,} params, W={estimate['world_size']})")
         mem.add_column("component")
+        mem.add_column("lives on")
         mem.add_column("bytes", justify="right")
+        placement = estimate["placement"]
         for key, value in estimate["model_states"].items():
-            mem.add_row(key, _human(value))
-        mem.add_row("[bold]model states[/bold]", f"[bold]{_human(estimate['model_state_bytes'])}[/bold]")
+            mem.add_row(key, placement[key], _human(value))
+        mem.add_row("[bold]model states[/bold]", "", f"[bold]{_human(estimate['model_state_bytes'])}[/bold]")
         for key, value in estimate["buffers"].items():
             if value:
-                mem.add_row(f"{key} (bound)", _human(value))
-        mem.add_row("[bold]total[/bold]", f"[bold]{_human(estimate['total_bytes'])}[/bold]")
+                mem.add_row(f"{key} (bound)", "device", _human(value))
+        pinned = " (pinned)" if estimate["pinned"] else ""
+        for key, value in estimate["host_buffers"].items():
+            mem.add_row(f"{key}{pinned}", "host", _human(value))
+        mem.add_row("[bold]device total[/bold]", "device", f"[bold]{_human(estimate['device_bytes'])}[/bold]")
+        mem.add_row("[bold]host total[/bold]", "host", f"[bold]{_human(estimate['host_bytes'])}[/bold]")
         console.print(mem)
         for assumption in estimate["assumptions"]:
             console.print(f"assumed: {assumption}")

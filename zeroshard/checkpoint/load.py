@@ -27,6 +27,7 @@ import torch
 from ..publish import publish_masters
 from ..ranges import overlap
 from .fields import (
+    KERNEL_KEYS,
     check_param_groups,
     check_scaler_state,
     check_scheduler_state,
@@ -203,6 +204,12 @@ def _flat_optimizer_state(engine: Any, flat: Any, names: list[str], reader: Chec
 _OPTIMIZER_FAMILIES = {"StateDtypeAdamW": "AdamW"}
 
 
+def optimizer_class(optimizer: Any) -> str:
+    """The class a checkpoint names for `optimizer`: DeepSpeedCPUAdam keeps Adam's or
+    AdamW's state, as its mode says (zeroshard/ops/adam.py)."""
+    return getattr(optimizer, "checkpoint_class", type(optimizer).__name__)
+
+
 def _optimizer_family(class_name: str) -> str:
     return _OPTIMIZER_FAMILIES.get(class_name, class_name)
 
@@ -287,10 +294,10 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
                     "load_optimizer_states=False and load_lr_scheduler_states=False."
                 )
             if options.optimizer_states:
-                if _optimizer_family(saved_opt["class"]) != _optimizer_family(type(engine.optimizer).__name__):
+                if _optimizer_family(saved_opt["class"]) != _optimizer_family(optimizer_class(engine.optimizer)):
                     raise CheckpointError(
                         f"checkpoint {tag_dir}: optimizer state of {saved_opt['class']}, this engine uses "
-                        f"{type(engine.optimizer).__name__}; load with load_optimizer_states=False."
+                        f"{optimizer_class(engine.optimizer)}; load with load_optimizer_states=False."
                     )
                 loaded.optimizer_states = [
                     _flat_optimizer_state(engine, f, names, reader, read)
@@ -328,7 +335,7 @@ def _parse_small_fields(engine: Any, reader: CheckpointReader, loaded: _Loaded) 
 def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], lr_only: bool) -> None:
     for group, entry in zip(optimizer.param_groups, saved, strict=True):
         for key, value in entry["hyper"].items():
-            if lr_only and key not in ("lr", "initial_lr"):
+            if (lr_only and key not in ("lr", "initial_lr")) or key in KERNEL_KEYS:
                 continue
             if key in ("name", "moe"):  # which parameters a group holds, this run's (e.g. ep_size_4)
                 continue

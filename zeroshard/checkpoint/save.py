@@ -339,7 +339,10 @@ def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[st
         },
         "optimizer": None
         if optimizer is None
-        else {"class": type(optimizer).__name__, "param_groups": param_groups_state(optimizer)},
+        else {
+            "class": getattr(optimizer, "checkpoint_class", type(optimizer).__name__),  # load.optimizer_class
+            "param_groups": param_groups_state(optimizer),
+        },
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": scheduler_entry,
         "data_sampler": _sampler_state(engine),
