@@ -99,8 +99,9 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
-        self._global_grad_norm: float | None = None
-        self._post_clip_grad_norm: float | None = None
+        # The last step's norms as device scalars: read (a host sync) only when asked for.
+        self._global_grad_norm: torch.Tensor | None = None
+        self._post_clip_grad_norm: torch.Tensor | None = None
         self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
@@ -294,8 +295,8 @@ class Engine:
                 )
             self._grads.flush()
             result = self._step.run()
-            self._global_grad_norm = result.norm
-            self._post_clip_grad_norm = result.post_clip_norm
+            self._global_grad_norm = result.norm_tensor
+            self._post_clip_grad_norm = result.post_clip_tensor
             if result.overflow:
                 self.skipped_steps += 1
                 logger.info("step %d: non-finite gradient, step skipped (scale %s)", self.global_steps, result.scale)
@@ -363,11 +364,12 @@ class Engine:
         return self.loss_scaler.scale
 
     def get_global_grad_norm(self) -> float | None:
-        """The pre-clip global gradient norm of the last optimizer step."""
-        return self._global_grad_norm
+        """The pre-clip global gradient norm of the last optimizer step (read from the device
+        now: the step itself does not wait for it)."""
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
     def get_post_clip_grad_norm(self) -> float | None:
-        return self._post_clip_grad_norm
+        return None if self._post_clip_grad_norm is None else float(self._post_clip_grad_norm)
 
     def get_lr(self) -> list[float]:
         if self.optimizer is None:
