@@ -94,7 +94,9 @@ class Engine:
         self.global_rank = self.layout.rank
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = select_device(model)
-        self.module = model.to(self.device)
+        # Not moved yet: cast first, then each unit's flat buffer is built on the device one at
+        # a time (at stage 3 only its shard stays there), then the rest follows (see below).
+        self.module = model
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -112,6 +114,10 @@ class Engine:
         self._cast_module(model)
         self.units = self._build_units(model, group_of)
         self.flats = [f for unit in self.units for f in unit.flats]
+        # The trainable parameters are views of the flats, already on the device; this moves
+        # the buffers and frozen parameters. So the device never holds the whole fp32 model:
+        # at most the cast model (stages 0-2) or one unit's full flat beside the shards (stage 3).
+        model.to(self.device)
 
         masters_by_group: list[list[torch.Tensor]] = [[] for _ in hyper]
         for flat in self.flats:
