@@ -34,6 +34,7 @@ __all__ = [
     "broadcast",
     "world_size",
     "rank",
+    "backend_name",
 ]
 
 
@@ -77,6 +78,14 @@ def new_group(members: tuple[int, ...], world: Group) -> Group:
     mine = world.ranks[world.rank]
     handle = dist.new_group(list(members)) if len(members) > 1 else None
     return Group(members, members.index(mine) if mine in members else -1, handle)
+
+
+def backend_name(group: Group) -> str:
+    """The backend `group`'s collectives run on ("nccl", "gloo", ...); "" for a group of one
+    (no collective runs)."""
+    if group.handle is None:
+        return ""
+    return str(dist.get_backend(group.handle))
 
 
 def _check(group: Group) -> Group:

@@ -19,12 +19,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from . import comm
 from .autocast import forward_context
 from .config import ZeroshardConfig
 from .device import select_device
 from .flat import FlatParamGroup
 from .grad_path import GradientPath
-from .grad_reduce import GradientReducer
+from .grad_reduce import GradientReducer, default_bucket_numel
 from .layout import ParallelLayout
 from .loss_scale import make_loss_scaler
 from .optim import build_optimizer, muon, repoint_optimizer
@@ -134,10 +135,13 @@ class Engine:
 
         # The gradient path owns hooks, readiness and reductions; stage 3's schedule owns
         # when parameters are gathered and freed. The engine only wires them together.
+        bucket_numel = zero.reduce_bucket_size
+        if "reduce_bucket_size" not in zero.model_fields_set:
+            bucket_numel = default_bucket_numel(comm.backend_name(self.layout.dense.shard), self.flats)
         reducer = GradientReducer(
             self.flats,
             divisor=lambda: self.world_size * self.config.gradient_accumulation_steps,
-            bucket_numel=zero.reduce_bucket_size,
+            bucket_numel=bucket_numel,
         )
         self._grads = GradientPath(
             self.module, self.units, self.policy, reducer,
@@ -246,9 +250,12 @@ class Engine:
             dataset, num_replicas=self.world_size, rank=self.global_rank,
             shuffle=True, seed=self.config.seed or 0, drop_last=drop_last,
         )
+        # Pinned host batches on CUDA: `batch.to(engine.device, non_blocking=True)` then copies
+        # asynchronously instead of staging through pageable memory and blocking the host.
         return DataLoader(
             dataset, batch_size=self.config.train_micro_batch_size_per_gpu,
             sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
+            pin_memory=self.device.type == "cuda",
         )
 
     # ---------------------------------------------------------------- forward
