@@ -150,7 +150,8 @@ class Engine:
         )
         if not self.policy.keep_full_params:
             self._grads.params = ParamSchedule(
-                self.units, zero.stage3_prefetch_bucket_size, lambda: self._grads.in_backward
+                self.units, zero.stage3_prefetch_bucket_size, lambda: self._grads.in_backward,
+                inputs_reached=self._grads.unit_inputs_reached,
             )
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
