@@ -37,6 +37,7 @@ __all__ = [
     "group_of",
     "world_size",
     "rank",
+    "backend_name",
 ]
 
 
@@ -105,6 +106,14 @@ def new_group(members: tuple[int, ...], world: Group) -> Group:
     mine = world.ranks[world.rank]
     handle = dist.new_group(list(members)) if len(members) > 1 else None
     return Group(members, members.index(mine) if mine in members else -1, _weak(handle))
+
+
+def backend_name(group: Group) -> str:
+    """The backend `group`'s collectives run on ("nccl", "gloo", ...); "" for a group of one
+    (no collective runs)."""
+    if group.handle is None:
+        return ""
+    return str(dist.get_backend(group.handle))
 
 
 def _check(group: Group) -> Group:

@@ -19,12 +19,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from . import comm
 from .autocast import forward_context
 from .config import ZeroshardConfig
 from .device import select_device
 from .flat import FlatParamGroup
 from .grad_path import GradientPath
-from .grad_reduce import GradientReducer
+from .grad_reduce import GradientReducer, default_bucket_numel
 from .layout import ParallelLayout
 from .loss_scale import make_loss_scaler
 from .moe.utils import attach_expert_groups, is_moe_param, split_params_into_different_moe_groups_for_optimizer
@@ -99,14 +100,17 @@ class Engine:
         self.global_rank = self.layout.rank
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = select_device(model)
-        self.module = model.to(self.device)
+        # Not moved yet: cast first, then each unit's flat buffer is built on the device one at
+        # a time (at stage 3 only its shard stays there), then the rest follows (see below).
+        self.module = model
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
         self._stepped_after_backward = -1  # backward_count at the last step() call
-        self._global_grad_norm: float | None = None
-        self._post_clip_grad_norm: float | None = None
+        # The last step's norms as device scalars: read (a host sync) only when asked for.
+        self._global_grad_norm: torch.Tensor | None = None
+        self._post_clip_grad_norm: torch.Tensor | None = None
         self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
         # MoE layers get their expert-parallel groups (collective, the same order everywhere)
@@ -127,6 +131,10 @@ class Engine:
         self._cast_module(model)
         self.units = self._build_units(model, group_of)
         self.flats = [f for unit in self.units for f in unit.flats]
+        # The trainable parameters are views of the flats, already on the device; this moves
+        # the buffers and frozen parameters. So the device never holds the whole fp32 model:
+        # at most the cast model (stages 0-2) or one unit's full flat beside the shards (stage 3).
+        model.to(self.device)
 
         masters_by_group: list[list[torch.Tensor]] = [[] for _ in hyper]
         for flat in self.flats:
@@ -143,10 +151,13 @@ class Engine:
 
         # The gradient path owns hooks, readiness and reductions; stage 3's schedule owns
         # when parameters are gathered and freed. The engine only wires them together.
+        bucket_numel = zero.reduce_bucket_size
+        if "reduce_bucket_size" not in zero.model_fields_set:
+            bucket_numel = default_bucket_numel(comm.backend_name(self.layout.dense.shard), self.flats)
         reducer = GradientReducer(
             self.flats,
             divisor=lambda: self.world_size * self.config.gradient_accumulation_steps,
-            bucket_numel=zero.reduce_bucket_size,
+            bucket_numel=bucket_numel,
         )
         self._grads = GradientPath(
             self.module, self.units, self.policy, reducer,
@@ -155,7 +166,8 @@ class Engine:
         )
         if not self.policy.keep_full_params:
             self._grads.params = ParamSchedule(
-                self.units, zero.stage3_prefetch_bucket_size, lambda: self._grads.in_backward
+                self.units, zero.stage3_prefetch_bucket_size, lambda: self._grads.in_backward,
+                inputs_reached=self._grads.unit_inputs_reached,
             )
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
@@ -267,9 +279,12 @@ class Engine:
             dataset, num_replicas=self.world_size, rank=self.global_rank,
             shuffle=True, seed=self.config.seed or 0, drop_last=drop_last,
         )
+        # Pinned host batches on CUDA: `batch.to(engine.device, non_blocking=True)` then copies
+        # asynchronously instead of staging through pageable memory and blocking the host.
         return DataLoader(
             dataset, batch_size=self.config.train_micro_batch_size_per_gpu,
             sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
+            pin_memory=self.device.type == "cuda",
         )
 
     # ---------------------------------------------------------------- forward
@@ -331,8 +346,8 @@ class Engine:
                 )
             self._grads.flush()
             result = self._step.run()
-            self._global_grad_norm = result.norm
-            self._post_clip_grad_norm = result.post_clip_norm
+            self._global_grad_norm = result.norm_tensor
+            self._post_clip_grad_norm = result.post_clip_tensor
             if result.overflow:
                 self.skipped_steps += 1
                 logger.info("step %d: non-finite gradient, step skipped (scale %s)", self.global_steps, result.scale)
@@ -400,11 +415,12 @@ class Engine:
         return self.loss_scaler.scale
 
     def get_global_grad_norm(self) -> float | None:
-        """The pre-clip global gradient norm of the last optimizer step."""
-        return self._global_grad_norm
+        """The pre-clip global gradient norm of the last optimizer step (read from the device
+        now: the step itself does not wait for it)."""
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
     def get_post_clip_grad_norm(self) -> float | None:
-        return self._post_clip_grad_norm
+        return None if self._post_clip_grad_norm is None else float(self._post_clip_grad_norm)
 
     def get_lr(self) -> list[float]:
         if self.optimizer is None:

@@ -235,9 +235,14 @@ class FlatParamGroup:
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Install `state` (elementwise tensors laid out like the master) as `optimizer`'s
-        state for this flat's master, on the master's device."""
+        state for this flat's master, on the master's device; 0-d tensors (`step`) stay on the
+        host unless the optimizer reads them on the device (fused or capturable Adam)."""
+        group = next((g for g in optimizer.param_groups if any(p is self.master for p in g["params"])), {})
+        # Fused and capturable Adam read `step` in their kernels, on the masters' device;
+        # otherwise torch keeps it on the host, where reading it waits for nothing.
+        device_scalars = bool(group.get("fused") or group.get("capturable"))
         optimizer.state[self.master] = {
-            k: v.to(self.master.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            k: v.to(self.master.device) if isinstance(v, torch.Tensor) and (v.dim() > 0 or device_scalars) else v
             for k, v in state.items()
         }
 

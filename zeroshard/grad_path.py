@@ -7,7 +7,8 @@ Follow a gradient:
 1. The autograd engine accumulates `p.grad`; the post-accumulate hook (`_make_hook`) moves
    it into its flat's local buffer (`flat.accumulate`, in the accumulation dtype) and marks
    the parameter as fired in its unit.
-2. When a unit is complete and this backward reduces (`reduces_now`: every synced backward at
+2. When a unit is ready (every parameter's hook fired, or at stage 3 the backward reached the
+   unit's inputs: zeroshard/param_schedule.py's note) and this backward reduces (`reduces_now`: every synced backward at
    stages 2-3, the synced boundary backward at stages 0-1), units are queued for reduction in
    one fixed order (reverse model order, root last) as soon as they and every unit before
    them are complete, so every rank issues the same collectives in the same sequence
@@ -183,10 +184,15 @@ class GradientPath:
                 # was called piecewise): fall back to queuing from the first hook.
                 self._start_backward()
             unit.mark_fired(index, flat)
-            if unit.complete and self.reduces_now():
+            if unit.ready and self.reduces_now():
                 self._reduce_ready_in_order()
 
         return hook
+
+    def unit_inputs_reached(self, unit: Unit) -> None:
+        """Stage 3's schedule: the backward computed the gradient of the unit's inputs."""
+        if self.in_backward and unit.ready and self.reduces_now():
+            self._reduce_ready_in_order()
 
     def _queue(self, unit: Unit) -> None:
         """Queue a unit's local gradients for reduction (a full bucket is reduced at once)."""
@@ -197,7 +203,7 @@ class GradientPath:
     def _reduce_ready_in_order(self) -> None:
         while self._next_in_order < len(self.reduce_order):
             unit = self.reduce_order[self._next_in_order]
-            if not unit.complete:
+            if not unit.ready:
                 return
             self._queue(unit)
             if self.params is not None:

@@ -33,6 +33,23 @@ exactly its shard of every piece. Stage 0's all-reduce uses the same layout alth
 would do: each element then sits at the same place in the same-sized buffer at every stage,
 so a backend whose summation order depends on the position (gloo's ring on 3+ ranks) sums
 it in the same order, and stages stay bitwise equal.
+
+[Note: the default bucket size per backend]
+When the config does not set `reduce_bucket_size` (`default_bucket_numel`), gloo keeps
+DeepSpeed's 5e8 elements: there one collective per bucket beats one per unit (the note above).
+NCCL's collectives run beside compute, so a large bucket only delays them: with 5e8 a 1B
+model's whole gradient (2 GB in fp32) went on the wire after the last unit, fully exposed.
+On NCCL the default is the largest flat's size, so each unit's gradient goes on the wire as
+soon as the unit is ready, as FSDP2 does.
+
+[Note: reducing straight from the local gradient]
+A flat that alone fills a bucket, arriving when no bucket of its kind is being filled, skips
+the staging copy: its local gradient is divided in place and is itself the collective's input
+(the same division, the same element positions, so bitwise the same result). Only where the
+local buffer is not reused before the collective completes: stages 2-3 (it is freed; the
+bucket keeps it alive until then) or stages 0-1 when the local buffer becomes the reduced
+gradient anyway (in place). A wire dtype other than the accumulation dtype needs the cast
+copy, so it is staged.
 """
 
 from __future__ import annotations
@@ -45,6 +62,16 @@ import torch
 from . import comm
 from .flat import FlatParamGroup
 from .layout import ShardingSpec
+
+GLOO_BUCKET_NUMEL = 500_000_000  # DeepSpeed's reduce_bucket_size default
+
+
+def default_bucket_numel(backend: str, flats: list[FlatParamGroup]) -> int:
+    """`reduce_bucket_size` when the config does not set it (see the note above): the largest
+    flat on NCCL, DeepSpeed's 5e8 elsewhere."""
+    if "nccl" in backend and flats:
+        return max(flat.padded_numel for flat in flats)
+    return GLOO_BUCKET_NUMEL
 
 
 @dataclass
@@ -129,6 +156,14 @@ class GradientReducer:
         local, in_place = flat.begin_reduction()
         matrix = local.view(rows, cols)
         divisor = self._divisor()
+        if self._reduce_directly(key, flat, in_place, wire_dtype == acc_dtype):
+            local.div_(divisor)  # what the staging path's torch.div(..., out=) computes
+            bucket = self._open[key] = _Bucket(matrix, [_Piece(flat, 0, cols, 0, in_place)], cols)
+            self._added_cols[key] = self._added_cols.get(key, 0) + cols
+            self._issue(key)
+            if not in_place:
+                flat.end_reduction()  # stages 2-3: dropped by the flat, kept alive by the bucket
+            return
         c0 = 0
         while c0 < cols:
             bucket = self._open.get(key)
@@ -151,6 +186,11 @@ class GradientReducer:
                 self._issue(key)
         if not in_place:
             flat.end_reduction()  # every piece was copied into a bucket above
+
+    def _reduce_directly(self, key: tuple, flat: FlatParamGroup, in_place: bool, same_dtype: bool) -> bool:
+        """Whether `flat`'s local gradient can be the collective's input itself (the note above)."""
+        safe = in_place or flat.policy.reduce_every_backward
+        return safe and same_dtype and key not in self._open and flat.padded_numel >= self.bucket_numel
 
     def _new_bucket(self, key: tuple, rows: int, wire_dtype: torch.dtype) -> _Bucket:
         remaining = self._total_cols[key] - self._added_cols.get(key, 0)

@@ -26,7 +26,13 @@ accumulated element. In fp32 and torch_autocast modes the master weights are the
   across units, so only the model's size bounds them below that;
 * stages 1-2: the parameter all-gather after the step (``allgather_bucket_size``, gather dtype);
 * stage 3: gathered units (prefetch bucket + the largest unit, gather dtype) and the small units
-  kept resident (below ``stage3_param_persistence_threshold``).
+  kept resident (below ``stage3_param_persistence_threshold``);
+* torch_autocast, every stage: autocast's copies of the lower_precision_safe parameters in the
+  autocast dtype. A matmul under autocast casts its fp32 weight and saves the cast copy for its
+  backward, so every unit's copy lives from its forward to its backward, on every rank: at
+  stage 3 this does *not* shrink as 1/W (the gathered fp32 flat is freed after the unit's
+  forward, its bf16 copy is not). Counted as the whole safe group (an upper bound: a bias is
+  cast but not saved).
 
 With ZeRO-Offload (zeroshard/offload.py) each role has a placement: ``offload_optimizer`` puts
 the master weights (always a copy of their own there, also when the plan says the masters are
@@ -46,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zeroshard.config import ZeroshardConfig
-from zeroshard.precision import PrecisionPlan
+from zeroshard.precision import GROUP_SAFE, PrecisionPlan
 from zeroshard.stages import StagePolicy, stage_policy
 
 __all__ = [
@@ -60,7 +66,10 @@ __all__ = [
 ]
 
 MODEL_STATE_KEYS = ("params", "gradients", "master_weights", "optimizer_state")
-BUFFER_KEYS = ("grad_unit_buffer", "reduce_bucket", "allgather_bucket", "gathered_units", "resident_units")
+BUFFER_KEYS = (
+    "grad_unit_buffer", "reduce_bucket", "allgather_bucket", "gathered_units", "resident_units",
+    "autocast_weight_copies",
+)
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -313,6 +322,12 @@ def estimate_memory(
         resident = sum(n for n in units if n < persistence_threshold)
         buffers["resident_units"] = resident * gather_size
         buffers["gathered_units"] = min(prefetch_bucket_size + largest_unit, total - resident) * gather_size
+    if plan.autocast_dtype is not None:  # see the module docstring: W-independent at every stage
+        buffers["autocast_weight_copies"] = sum(
+            numel * _size(plan.autocast_dtype)
+            for name, numel in counts.items()
+            if name == GROUP_SAFE and plan.groups[name].param_dtype != plan.autocast_dtype
+        )
     return MemoryEstimate(
         stage=stage,
         world_size=world_size,

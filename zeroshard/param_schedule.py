@@ -8,10 +8,26 @@ A unit's parameters exist only around its forward and its backward (DESIGN secti
   path has queued its gradient for reduction (`unit_reduced`), and at the end of every
   backward whatever is left;
 * prefetch: while a unit computes, the units that follow it in the last forward's order (or
-  precede it, going backwards) start gathering, up to `stage3_prefetch_bucket_size`
-  elements;
+  precede it, going backwards) start gathering: always the next one, even when it alone
+  exceeds `stage3_prefetch_bucket_size` (a 1B+ transformer block does, and never
+  prefetching would expose every gather), then more while they fit in that many elements;
 * a forward inside a backward is an activation checkpoint's recomputation: its parameters
   stay gathered for the backward that follows, and it prefetches in backward order.
+
+[Note: reductions in the same order on every rank]
+At stage 3 the gradient reductions share the shard group with the backward all-gathers, so
+every rank must issue both in the same order: a reduce-scatter paired with another rank's
+all-gather hangs (NCCL, gloo) or corrupts. A unit used differently by each rank (a
+data-dependent branch, an expert with no tokens) completes its parameter hooks on some ranks
+and not on others; reducing "when every hook fired" then puts its reduce-scatters among the
+all-gathers at different places. So a unit's forward inputs pass through an identity whose
+backward says "this unit's backward is over" (`Unit.inputs_reached`): every rank runs the
+unit and reaches that point, in backward order, between the same all-gathers; the gradient
+path reduces the unit there (its unused parameters reduce zeros), or earlier if every hook
+fired already (autograd runs a parameter's gradient accumulation as soon as it is ready, so
+that too is before the inputs' gradient, between the same all-gathers). A unit whose inputs
+carry no gradient (token ids) keeps the old rule; so does any unit after a forward with
+gradients on that no backward followed (its counts are off until the next backward ends).
 
 The root module's hooks belong to the gradient path (zeroshard/grad_path.py), which calls
 `root_pre_forward`, `root_post_forward` and `root_backward` here; this class installs the
@@ -22,6 +38,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
 
 from .grad_path import wrap_outputs
 from .unit import Unit
@@ -34,13 +53,22 @@ class ParamSchedule:
         units: the engine's units, root first.
         prefetch_numel: stage3_prefetch_bucket_size (elements gathered ahead).
         in_backward: whether a backward is running now (the gradient path knows).
+        inputs_reached: called when a backward has computed the gradient of every forward
+            input of a unit (the gradient path reduces it: see the note above).
     """
 
-    def __init__(self, units: list[Unit], prefetch_numel: int, in_backward: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        units: list[Unit],
+        prefetch_numel: int,
+        in_backward: Callable[[], bool],
+        inputs_reached: Callable[[Unit], None] | None = None,
+    ) -> None:
         self.units = units
         self.root = units[0]
         self.prefetch_numel = prefetch_numel
         self._in_backward = in_backward
+        self._inputs_reached = inputs_reached or (lambda unit: None)
         self._order_now: list[Unit] = []  # units in the order the running forward used them
         self._forward_order: list[Unit] = []  # the last complete forward's order
         self._position: dict[int, int] = {}
@@ -87,11 +115,25 @@ class ParamSchedule:
             unit.gather()
             if self._in_backward():
                 self._prefetch(unit, -1)  # a checkpoint's recomputation: backward order
-            else:
-                self._order_now.append(unit)
-                self._prefetch(unit, +1)
+                return None
+            self._order_now.append(unit)
+            self._prefetch(unit, +1)
+            if not torch.is_grad_enabled():
+                return None
+            return self._mark_inputs(unit, args)
 
         return pre
+
+    def _mark_inputs(self, unit: Unit, args: tuple) -> tuple:
+        def on_input_grad(grad):
+            unit.inputs_done += 1
+            if unit.inputs_reached:
+                self._inputs_reached(unit)
+            return grad
+
+        wrapped = wrap_outputs(args, on_input_grad)
+        unit.inputs_expected += sum(a is not b for a, b in zip(tree_leaves(wrapped), tree_leaves(args), strict=True))
+        return wrapped
 
     def _unit_post(self, unit: Unit):
         def post(module, args, output):
@@ -111,7 +153,8 @@ class ParamSchedule:
 
     def _prefetch(self, unit: Unit, direction: int) -> None:
         """Start gathering the units that follow `unit` in the last forward's order (or
-        precede it, going backwards), up to `prefetch_numel` elements."""
+        precede it, going backwards): the next one always, then more up to `prefetch_numel`
+        elements in all (FSDP2 and DeepSpeed likewise never leave the next unit unstarted)."""
         position = self._position.get(id(unit))
         if position is None:
             return
@@ -119,7 +162,7 @@ class ParamSchedule:
         j = position + direction
         while 0 <= j < len(self._forward_order):
             nxt = self._forward_order[j]
-            if nxt.numel > budget:
+            if nxt.numel > budget and j != position + direction:
                 return
             budget -= nxt.numel
             nxt.start_gather()

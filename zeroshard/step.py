@@ -15,7 +15,6 @@ masters and `publish_masters` brings them back in the parameter dtype.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,13 +30,22 @@ from .publish import publish_masters
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step did: the pre-clip norm, the norm after clipping, whether it was skipped
-    (non-finite gradient) and the loss scale it ran with."""
+    """What one step did: the pre-clip norm, the norm after clipping (both device scalars, read
+    on the host only when asked: `norm`, `post_clip_norm`), whether it was skipped (non-finite
+    gradient) and the loss scale it ran with."""
 
-    norm: float
-    post_clip_norm: float
+    norm_tensor: torch.Tensor
+    post_clip_tensor: torch.Tensor
     overflow: bool
     scale: float
+
+    @property
+    def norm(self) -> float:
+        return float(self.norm_tensor)  # a host sync: only when someone reads it
+
+    @property
+    def post_clip_norm(self) -> float:
+        return float(self.post_clip_tensor)
 
 
 def resolve_placement(flats: list[FlatParamGroup]) -> str:
@@ -85,28 +93,41 @@ class OptimizerStep:
 
     def run(self) -> StepResult:
         """One step on the reduced gradients; skipped (parameters and optimizer state
-        untouched) if the global norm is not finite and the plan checks overflow."""
+        untouched) if the global norm is not finite and the plan checks overflow.
+
+        [Note: no host sync in a step]
+        The norm, the clip coefficient and the clipping stay on the device: the coefficient
+        is `clamp(clip / (norm + 1e-6), max=1)` (torch.nn.utils.clip_grad_norm_'s formula), and
+        every gradient is multiplied by it (by 1.0, exactly, when the norm is below the clip).
+        The norm reaches the host only when read (`StepResult.norm`,
+        `engine.get_global_grad_norm()`, the log line every steps_per_print). The one read
+        left is the overflow decision where the plan checks overflow (fp16, bf16 by default):
+        skipping the optimizer, the scheduler and the loss-scale update are host decisions.
+        """
         scale = self.loss_scaler.scale
+        grads = []
         for flat in self.flats:
             grad = flat.reduced_grad_buffer()
             if grad.dtype != flat.master.dtype:
                 grad = grad.to(flat.master.dtype)
             if self.host_grads is not None:  # cast on the device first, then move the shard
                 grad = self.host_grads.receive(id(flat), grad, flat.spec.pin_memory)
-            if scale != 1.0:
-                grad.mul_(1.0 / scale)
             flat.master.grad = grad
+            grads.append(grad)
+        if scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / scale)
 
-        norm = self.global_norm()
-        overflow = self.check_overflow and not math.isfinite(norm)
+        norm = self.global_norm_tensor()
+        overflow = self.check_overflow and not bool(torch.isfinite(norm))  # the one host read, see the note
         if overflow:
             post_clip = norm
         else:
-            coef = self.clip / (norm + 1e-6) if self.clip and self.clip > 0 else 1.0
-            if coef < 1.0:
-                for flat in self.flats:
-                    flat.master.grad.mul_(coef)
-            post_clip = norm * min(1.0, coef)
+            post_clip = norm
+            if self.clip and self.clip > 0:
+                coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
+                if grads:
+                    torch._foreach_mul_(grads, coef)
+                post_clip = norm * coef
             self.optimizer.step()
             publish_masters(self.flats, self.publish_bucket_numel)
             if self.lr_scheduler is not None:
@@ -117,8 +138,9 @@ class OptimizerStep:
             flat.clear_reduced()
         return StepResult(norm, post_clip, overflow, scale)
 
-    def global_norm(self) -> float:
-        """L2 norm of the whole reduced, unscaled gradient, summed shard by shard.
+    def global_norm_tensor(self) -> torch.Tensor:
+        """L2 norm of the whole reduced, unscaled gradient, summed shard by shard: a 0-d fp32
+        tensor on the device (no host sync).
 
         Every stage sums the same per-shard partial sums in the same order, so the norm
         (and hence clipping) is bitwise identical across stages. A flat replicated over R
@@ -134,6 +156,12 @@ class OptimizerStep:
                 partial = partial / flat.spec.replication
             partials.append(partial)
         total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
-        total = total.reshape(1).to(device=self.device, dtype=torch.float32)  # host partials: offload
-        comm.all_reduce(total, group=self.layout.world, tag="norm")
-        return float(total.sqrt())
+        return self._all_reduce_norm(total).sqrt()
+
+    def _all_reduce_norm(self, total: torch.Tensor) -> torch.Tensor:
+        """The step's one all-reduce: this rank's sum of squares summed over the world. Other
+        per-step scalars that every rank must agree on belong in this same collective (pack
+        them beside the sum), never in a second one."""
+        packed = total.reshape(1).to(device=self.device, dtype=torch.float32)  # host partials: offload
+        comm.all_reduce(packed, group=self.layout.world, tag="norm")
+        return packed[0]

@@ -16,6 +16,10 @@ class Unit:
         self.flats = flats
         self.expected_hooks = sum(len(f.params) for f in flats)
         self._fired: set[tuple[int, int]] = set()
+        # Stage 3: the unit's forward inputs that carry a gradient since the last backward, and
+        # how many of those gradients the backward has computed (`inputs_reached`).
+        self.inputs_expected = 0
+        self.inputs_done = 0
         # Gradients accumulated locally since the unit was last reduced.
         self.has_local_grad = False
 
@@ -32,8 +36,22 @@ class Unit:
         """Every parameter's hook has fired in this backward."""
         return len(self._fired) >= self.expected_hooks
 
+    @property
+    def inputs_reached(self) -> bool:
+        """The backward has computed the gradient of every forward input of the unit: its own
+        backward is over, whichever of its parameters this rank used. Unlike `complete`, a
+        point every rank reaches in the same order (zeroshard/param_schedule.py's note)."""
+        return 0 < self.inputs_expected <= self.inputs_done
+
+    @property
+    def ready(self) -> bool:
+        """The unit's gradient can be reduced: every hook fired, or its backward is over."""
+        return self.complete or self.inputs_reached
+
     def reset_readiness(self) -> None:
         self._fired.clear()
+        self.inputs_expected = 0
+        self.inputs_done = 0
 
     # ------------------------------------------------------------ storage
     @property

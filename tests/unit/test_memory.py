@@ -100,6 +100,13 @@ def test_per_group_counts_in_autocast_mode():
     assert estimate.per_group["lower_precision_safe"]["params"] == 4 * 6_000_000 // W
     assert estimate.per_group["other"]["params"] == 4 * 2_000_000 // W
     assert estimate.model_state_bytes == 16 * 8_000_000 // W
+    # autocast's bf16 copies of the safe parameters, saved for backward: the whole safe group,
+    # on every rank, at every stage (W does not divide it).
+    assert estimate.buffers["autocast_weight_copies"] == 2 * 6_000_000
+    for stage in (0, 1, 2):
+        assert estimate_memory(plan, stage, W, {"lower_precision_safe": 6_000_000}).buffers[
+            "autocast_weight_copies"
+        ] == 2 * 6_000_000
     with pytest.raises(ValueError, match="groups \\['all'\\]"):
         estimate_memory(plan, 3, W, {"all": 5})
 
@@ -117,6 +124,7 @@ def test_buffers_are_bounded_by_buckets_and_units():
         "allgather_bucket": 0,
         "gathered_units": 2 * (2_000_000 + 1_000_000),  # prefetch + largest unit, bf16
         "resident_units": 2 * 50_000,
+        "autocast_weight_copies": 0,  # not torch_autocast
     }
     assert estimate.total_bytes == estimate.model_state_bytes + estimate.buffer_bytes
     assert estimate.assumptions == []

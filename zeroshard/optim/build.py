@@ -38,6 +38,14 @@ def state_dtype_problem(opt_type: str, params: dict[str, Any]) -> str | None:
     return None
 
 
+def fused_allowed(groups: list[dict[str, Any]]) -> bool:
+    """Whether torch's fused Adam/AdamW can step these masters: every one a floating CUDA
+    tensor. Elsewhere torch picks its own implementation (foreach on CUDA, the per-tensor loop
+    on CPU, which the CPU conformance tests compare bit for bit)."""
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+
+
 def build_optimizer(
     opt_type: str,
     params: dict[str, Any],
@@ -77,6 +85,8 @@ def build_optimizer(
             kw.pop("amsgrad", None)
             return StateDtypeAdamW(groups, decoupled=adam_w, state_dtype=state_dtype, **kw)
         cls = torch.optim.AdamW if adam_w else torch.optim.Adam
+        if "fused" not in kw and "foreach" not in kw and fused_allowed(groups):
+            kw["fused"] = True  # one kernel per step for every master of a group
         return cls(groups, **kw)
     kw.setdefault("lr", 1e-3)
     return torch.optim.SGD(groups, **kw)

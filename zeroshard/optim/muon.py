@@ -42,6 +42,7 @@ from torch import nn
 
 from ..gather import GatherPiece, all_gather_shards
 from ..ranges import overlap
+from .foreach_adamw import adamw_foreach
 from .newton_schulz import (
     DEFAULT_NS_STEPS,
     NS_DTYPE_NAMES,
@@ -342,30 +343,15 @@ def _in_fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def _adamw_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any],
-                state_dtype: torch.dtype | None = None) -> None:
-    """torch's single-tensor AdamW (decoupled weight decay, bias correction), in fp32
-    whatever the dtypes of the master and of the moments (`state_dtype`, default the master's)."""
-    if "step" not in state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-    exp_avg_t = _state_tensor(state, "exp_avg", p, state_dtype)
-    exp_avg_sq_t = _state_tensor(state, "exp_avg_sq", p, state_dtype)
-    beta1, beta2 = group["betas"]
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    state["step"] += 1
-    step = float(state["step"])
-    param, grad = _in_fp32(p), _in_fp32(grad)
-    exp_avg, exp_avg_sq = _in_fp32(exp_avg_t), _in_fp32(exp_avg_sq_t)
-    if wd != 0.0:
-        param.mul_(1.0 - lr * wd)
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    bias1, bias2 = 1.0 - beta1**step, 1.0 - beta2**step
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(group["eps"])
-    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
-    for target, value in ((p, param), (exp_avg_t, exp_avg), (exp_avg_sq_t, exp_avg_sq)):
-        if target is not value:
-            target.copy_(value)
+def _adamw_group_step(params: list[torch.Tensor], states: list[dict[str, Any]], group: Mapping[str, Any],
+                      state_dtype: torch.dtype | None = None) -> None:
+    """torch's AdamW (decoupled weight decay, bias correction) on every tensor of a group at
+    once, in fp32 whatever the dtypes of the masters and of the moments (`state_dtype`,
+    default each master's)."""
+    adamw_foreach(
+        params, [p.grad for p in params], states, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+        weight_decay=group["weight_decay"], state_dtype=state_dtype,
+    )
 
 
 def _momentum_direction(grad: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any],
@@ -529,10 +515,12 @@ class ShardedMuon(torch.optim.Optimizer):
                         "ShardedMuon.step: a master tensor has no gradient; the engine sets every "
                         "master's gradient (zeros for unused parameters) before stepping."
                     )
-                if group["use_muon"]:
-                    self._muon_step(p, group)
-                else:
-                    _adamw_step(p, p.grad, self.state[p], group, self.state_dtype)
+            if not group["use_muon"]:
+                params = list(group["params"])
+                _adamw_group_step(params, [self.state[p] for p in params], group, self.state_dtype)
+                continue
+            for p in group["params"]:
+                self._muon_step(p, group)
         return loss
 
     def _muon_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
@@ -679,8 +667,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not group["use_muon"]:
-                for p in params:
-                    _adamw_step(p, p.grad, self.state[p], group)
+                _adamw_group_step(params, [self.state[p] for p in params], group)
                 continue
             # Matrices of one shape are orthogonalized in one batched call.
             by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
