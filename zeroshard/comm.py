@@ -30,6 +30,8 @@ __all__ = [
     "reduce_scatter",
     "all_gather",
     "broadcast",
+    "all_to_all_single",
+    "as_group",
     "world_size",
     "rank",
 ]
@@ -87,7 +89,7 @@ class CollectiveRecord:
     """One collective as it went on the wire.
 
     Attributes:
-        op: "all_reduce", "reduce_scatter", "all_gather" or "broadcast".
+        op: "all_reduce", "reduce_scatter", "all_gather", "broadcast" or "all_to_all".
         dtype: the dtype of the tensors sent.
         numel: elements of the full, unsharded buffer (the reduce-scatter input, the
             all-gather output).
@@ -261,3 +263,36 @@ def all_gather_object(obj: object, *, group: Group) -> list[object]:
     out: list[object] = [None] * group.size
     dist.all_gather_object(out, obj, group=group.handle)
     return out
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    *,
+    group: Group,
+    tag: str = "",
+) -> torch.Tensor:
+    """Send chunk j of `input` (dim 0, sizes `input_split_sizes`, equal chunks when None) to
+    group rank j; chunk j of `output` (sizes `output_split_sizes`) is what rank j sent here.
+
+    Returns `output`. Recorded with the elements this rank sends.
+    """
+    if _check(group).size == 1:
+        output.copy_(input)
+        return output
+    _record("all_to_all", input, input.numel(), tag, group)
+    dist.all_to_all_single(
+        output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group.handle
+    )
+    return output
+
+
+def as_group(group: Group | dist.ProcessGroup) -> Group:
+    """A `Group` for what users hand to DeepSpeed-style APIs (`DistributedAttention`, an mpu's
+    groups): a `Group` as is, or a torch ProcessGroup named by its global ranks."""
+    if isinstance(group, Group):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return Group(ranks, dist.get_rank(group), group if len(ranks) > 1 else None)
