@@ -32,6 +32,7 @@ __all__ = [
     "broadcast",
     "all_to_all_single",
     "as_group",
+    "new_process_group",
     "world_size",
     "rank",
 ]
@@ -296,3 +297,13 @@ def as_group(group: Group | dist.ProcessGroup) -> Group:
         return group
     ranks = tuple(dist.get_process_group_ranks(group))
     return Group(ranks, dist.get_rank(group), group if len(ranks) > 1 else None)
+
+
+def new_process_group(members: tuple[int, ...], world: Group) -> Group:
+    """As `new_group`, but with a torch ProcessGroup handle even for one member: for groups
+    handed to users' code (an mpu's getters), where a None handle would mean the default group
+    to torch. Collective over `world`: every rank creates every group, in the same order."""
+    members = tuple(members)
+    mine = world.ranks[world.rank]
+    handle = dist.new_group(list(members))
+    return Group(members, members.index(mine) if mine in members else -1, handle)

@@ -1,0 +1,1 @@
+"""DeepSpeed's `deepspeed.utils` import paths (`zeroshard.utils.groups`)."""
