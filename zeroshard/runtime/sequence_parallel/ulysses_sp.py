@@ -1,0 +1,2 @@
+"""placeholder"""
+from ...sequence.tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute  # noqa: F401
