@@ -27,7 +27,15 @@ from torch import Tensor
 
 from .. import comm
 
-__all__ = ["DistributedAttention", "_SeqAllToAll", "head_counts", "heads_to_sequence", "sequence_to_heads"]
+__all__ = [
+    "DistributedAttention",
+    "_SeqAllToAll",
+    "exchange_heads",
+    "head_counts",
+    "heads_to_sequence",
+    "kv_selection",
+    "sequence_to_heads",
+]
 
 
 def head_counts(num_heads: int, world: int) -> list[int]:
@@ -71,6 +79,33 @@ def sequence_to_heads(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int,
         shape[head_dim] = count
         pieces.append(part.view(shape))
     return torch.cat(pieces, dim=head_dim)
+
+
+class _HeadSequenceExchange(torch.autograd.Function):
+    """`heads_to_sequence` (to_sequence) or `sequence_to_heads`, with the dims named; the
+    backward is the other one."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, group: comm.Group, x: Tensor, head_dim: int, seq_dim: int, counts: list[int], to_sequence: bool
+    ) -> Tensor:
+        ctx.args = (group, head_dim, seq_dim, counts, not to_sequence)
+        exchange = heads_to_sequence if to_sequence else sequence_to_heads
+        return exchange(x, group, head_dim, seq_dim, counts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        group, head_dim, seq_dim, counts, to_sequence = ctx.args
+        grad_input = _HeadSequenceExchange.apply(group, grad, head_dim, seq_dim, counts, to_sequence)
+        return None, grad_input, None, None, None, None
+
+
+def exchange_heads(
+    x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int], to_sequence: bool
+) -> Tensor:
+    """Differentiable `heads_to_sequence` (`to_sequence=True`) or `sequence_to_heads`, for any
+    layout (the Hugging Face integration's [batch, heads, seq, dim] among them)."""
+    return _HeadSequenceExchange.apply(group, x, head_dim, seq_dim, counts, to_sequence)
 
 
 def _dims(scatter_idx: int, gather_idx: int, batch_dim_idx: int) -> tuple[int, int]:
@@ -132,7 +167,7 @@ class _SeqAllToAll(torch.autograd.Function):
         return (None, grad_input) + (None,) * 8
 
 
-def _kv_selection(num_q: int, num_kv: int, world: int) -> tuple[list[int] | None, list[int]]:
+def kv_selection(num_q: int, num_kv: int, world: int) -> tuple[list[int] | None, list[int]]:
     """Which key/value heads each rank needs, concatenated in rank order, and how many per rank.
 
     Returns (None, counts) when the plain head split already gives every rank exactly its
@@ -218,7 +253,7 @@ class DistributedAttention(torch.nn.Module):
                 "use a sequence-parallel size of at most the head count"
             )
         q_counts = head_counts(num_q, group.size)
-        selection, kv_counts = _kv_selection(num_q, num_kv, group.size)
+        selection, kv_counts = kv_selection(num_q, num_kv, group.size)
         if selection is not None:
             index = torch.tensor(selection, device=key.device)
             key, value = key.index_select(head_dim, index), value.index_select(head_dim, index)
