@@ -51,8 +51,12 @@ def initialize(
 
     if model is None:
         raise ValueError("initialize: model= is required.")
-    if mpu is not None:
-        raise ValueError("initialize: mpu= (model parallelism) is not supported by zeroshard.")
+    if mpu is not None and not hasattr(mpu, "get_sequence_parallel_group"):
+        raise ValueError(
+            "initialize: mpu= must be a sequence-parallel mpu (get_sequence_parallel_group(), ...; e.g. "
+            "zeroshard.runtime.sequence_parallel.parallel_state_sp): tensor and pipeline parallelism are not "
+            "supported by zeroshard."
+        )
     raw = config if config is not None else config_params
     if raw is None and args is not None:
         raw = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
@@ -62,14 +66,35 @@ def initialize(
         )
     if dist_init_required is not False:
         init_distributed()
-    cfg = load_config(raw, world_size=comm.world_size())
+    sequence_parallel = _sequence_parallel_groups(mpu)
+    sp_size = 1 if sequence_parallel is None else sequence_parallel[0].size
+    cfg = load_config(raw, world_size=comm.world_size() // sp_size)  # the batch triangle counts replicas
     plan = resolve_precision_plan(cfg)
     layout = ParallelLayout.build(cfg.zeroshard.shard_group_size)
+    if sequence_parallel is not None:
+        layout = layout.with_sequence_parallel(*sequence_parallel)
     engine = Engine(
         model, cfg, plan, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _sequence_parallel_groups(mpu: Any) -> tuple[comm.Group, comm.Group] | None:
+    """(sequence group, data group) from a sequence-parallel mpu; None without one."""
+    from .utils.sequence_groups import set_sequence_parallel_mpu
+
+    set_sequence_parallel_mpu(mpu)
+    if mpu is None or mpu.get_sequence_parallel_world_size() == 1:
+        return None
+    sequence = comm.as_group(mpu.get_sequence_parallel_group())
+    if hasattr(mpu, "get_data_parallel_group"):
+        data = comm.as_group(mpu.get_data_parallel_group())
+    else:  # the strided ranks at this rank's position in every sequence group
+        from .runtime.sequence_parallel import parallel_state_sp
+
+        data = parallel_state_sp.sequence_parallel_layout().data
+    return sequence, data
 
 
 def __getattr__(name: str):

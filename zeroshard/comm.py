@@ -45,7 +45,8 @@ class Group:
     Attributes:
         ranks: the members' global ranks, in group-rank order.
         rank: this process's index in `ranks` (its group rank).
-        handle: torch's process group; None for a group of one (no communication).
+        handle: torch's process group; None for a group of one made by `new_group` (a group of
+            one never communicates, whatever its handle).
     """
 
     ranks: tuple[int, ...]
@@ -295,8 +296,7 @@ def as_group(group: Group | dist.ProcessGroup) -> Group:
     groups): a `Group` as is, or a torch ProcessGroup named by its global ranks."""
     if isinstance(group, Group):
         return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    return Group(ranks, dist.get_rank(group), group if len(ranks) > 1 else None)
+    return Group(tuple(dist.get_process_group_ranks(group)), dist.get_rank(group), group)
 
 
 def new_process_group(members: tuple[int, ...], world: Group) -> Group:
