@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.scenarios.sequence_engine import train
+from tests.dist.scenarios.sequence_engine import cross_checkpoint, train
 
 TIMEOUT_S = 600
 STAGES = [1, 2, 3]
@@ -41,3 +41,16 @@ def test_sequence_parallel_training_equals_data_parallel(dist_pool, world: int, 
                 torch.testing.assert_close(
                     result["params"][name], ref, atol=1e-6, rtol=1e-5, msg=lambda m, s=label, n=name: f"{s}: {n}: {m}"
                 )
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("save_sp, load_sp", [(2, 1), (1, 2)])
+def test_checkpoints_cross_sequence_parallelism(dist_pool, tmp_path, stage: int, save_sp: int, load_sp: int) -> None:
+    """A checkpoint saved with sequence parallelism loads without it, and the other way round:
+    the same parameters and momentum (bitwise: the dense shards are the same either way)."""
+    directory = str(tmp_path / "ckpt")
+    for rank, out in enumerate(dist_pool(2).run(cross_checkpoint, stage, save_sp, load_sp, directory,
+                                                timeout=TIMEOUT_S)):
+        for kind in ("params", "momentum"):
+            for name, saved in out["saved"][kind].items():
+                assert saved is not None and torch.equal(out["loaded"][kind][name], saved), (rank, kind, name)

@@ -115,3 +115,55 @@ def train(stages: list[int], sp: int, steps: int = STEPS) -> list[dict[str, Any]
         results.append({"stage": stage, "losses": losses, "params": params, "groups": groups, "grads": grads, "ref_grads": ref["grads"],
                         "ref_losses": [step[group] for step in ref["losses"]], "ref_params": ref["params"]})
     return results
+
+
+def _one_step(engine, sp: int) -> None:
+    """One training step on group 0's first batch, with or without sequence parallelism."""
+    seq = SEQ_PER_RANK * 2
+    ids, shift_labels = _group_batch(0, 0, seq)
+    positions = torch.arange(seq).expand(MICRO, seq)
+    if sp > 1:
+        rank = dist.get_rank() % sp
+        mine = slice(rank * SEQ_PER_RANK, (rank + 1) * SEQ_PER_RANK)
+        ids, shift_labels, positions = ids[:, mine], shift_labels[:, mine], positions[:, mine]
+    logits = engine(input_ids=ids, position_ids=positions).logits
+    loss_sum = _token_sum(logits, shift_labels)
+    group = engine.seq_parallel_group if sp > 1 else dist.group.WORLD
+    engine.backward(token_weighted_loss(loss_sum, (shift_labels != -100).sum(), group))
+    engine.step()
+
+
+def _engine(stage: int, sp: int):
+    model = tiny_llama("sdpa")
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, MICRO) if sp > 1 else None
+    engine, *_ = zeroshard.initialize(model=model, config=_config(stage), mpu=mpu)
+    return engine
+
+
+def _state(engine) -> dict[str, Any]:
+    return {
+        "params": {n: zeroshard.safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()},
+        "momentum": {n: zeroshard.safe_get_full_optimizer_state(p, "momentum_buffer")
+                     for n, p in engine.module.named_parameters()},
+    }
+
+
+def cross_checkpoint(stage: int, save_sp: int, load_sp: int, directory: str) -> dict[str, Any]:
+    """Save after one step with sequence-parallel size `save_sp`, load into a fresh engine with
+    `load_sp`: the loaded parameters and optimizer state, and the saved ones."""
+    engine = _engine(stage, save_sp)
+    try:
+        _one_step(engine, save_sp)
+        engine.save_checkpoint(directory, tag="step1")
+        saved = _state(engine)
+    finally:
+        if save_sp > 1:
+            UlyssesSPAttentionHF.unregister_from_transformers()
+    fresh = _engine(stage, load_sp)
+    try:
+        fresh.load_checkpoint(directory, tag="step1")
+        loaded = _state(fresh)
+    finally:
+        if load_sp > 1:
+            UlyssesSPAttentionHF.unregister_from_transformers()
+    return {"saved": saved, "loaded": loaded}
