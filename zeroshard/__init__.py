@@ -44,10 +44,10 @@ def initialize(
         (engine, optimizer, training_dataloader, lr_scheduler); the dataloader is None
         without `training_data`, the scheduler None when neither given nor configured.
     """
-    from .config import ConfigError, load_config
+    from .config import ConfigError
     from .engine import Engine
     from .layout import ParallelLayout
-    from .precision import resolve_precision_plan
+    from .resolve import resolve_config
 
     if model is None:
         raise ValueError("initialize: model= is required.")
@@ -68,13 +68,12 @@ def initialize(
         init_distributed()
     sequence_parallel = _sequence_parallel_groups(mpu)
     sp_size = 1 if sequence_parallel is None else sequence_parallel[0].size
-    cfg = load_config(raw, world_size=comm.world_size() // sp_size)  # the batch triangle counts replicas
-    plan = resolve_precision_plan(cfg)
+    cfg = resolve_config(raw, world_size=comm.world_size() // sp_size)  # the batch triangle counts replicas
     layout = ParallelLayout.build(cfg.zeroshard.shard_group_size)
     if sequence_parallel is not None:
         layout = layout.with_sequence_parallel(*sequence_parallel)
     engine = Engine(
-        model, cfg, plan, optimizer=optimizer, model_parameters=model_parameters,
+        model, cfg, cfg.precision_plan, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

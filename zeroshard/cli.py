@@ -108,7 +108,7 @@ def _run_to_fp32(args: argparse.Namespace) -> int:
 
     try:
         path = write_fp32(args.checkpoint, args.output, tag=args.tag)
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:  # a bad checkpoint, or an output that cannot be written
         print(f"zeroshard to-fp32: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {path}")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import _compat
+
 __all__ = [
     "Group",
     "world_group",
@@ -226,7 +228,7 @@ def reduce_scatter(
         handle.wait()
         return output
     _record("reduce_scatter", input, input.numel(), tag, group)
-    work = dist.reduce_scatter_single(output, input.view(-1), group=group.handle, async_op=async_op)
+    work = _compat.reduce_scatter_single(output, input.view(-1), group=group.handle, async_op=async_op)
     return work if async_op else output
 
 
@@ -244,7 +246,7 @@ def all_gather(
         return None if async_op else output
     assert output.numel() == input.numel() * ws, "all_gather sizes disagree"
     _record("all_gather", input, output.numel(), tag, group)
-    work = dist.all_gather_single(output.view(-1), input.view(-1), group=group.handle, async_op=async_op)
+    work = _compat.all_gather_single(output.view(-1), input.view(-1), group=group.handle, async_op=async_op)
     return work if async_op else output
 
 

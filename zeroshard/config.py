@@ -1,5 +1,10 @@
 """The DeepSpeed JSON config subset zeroshard understands, as pydantic models.
 
+The sections' models are in zeroshard/config_sections.py, reading a file (JSON, HJSON) in
+zeroshard/config_file.py; this module holds the whole config's model and the per-key pass
+(``check_config`` / ``load_config``). ``zeroshard.resolve.resolve_config`` adds the rules across
+sections and is the one pass ``initialize`` and ``zeroshard explain`` use.
+
 Every key a user can write falls in exactly one of three classes (DESIGN section 1):
 
 * supported: a field of one of the models below, with DeepSpeed 0.19's documented default;
@@ -13,25 +18,52 @@ Every key a user can write falls in exactly one of three classes (DESIGN section
 Anything else is an unknown key and gets a "did you mean" error. ``"auto"`` (what the Hugging
 Face integration writes for values it fills in) is an error that names the key. All problems are
 collected and raised together in one ``ConfigError`` whose lines read
-``<json.path>=<value>: <rule>. <fix>``.
+``<json.path>=<value>: <rule>. <fix>``. Types are strict: ``"2"`` is not an integer, ``"yes"``
+not a boolean (an integral float such as ``5e8`` is an integer, as JSON writes it). The
+resolved config is frozen.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
-import json
 import os
 import typing
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
+
+from .config_error import ConfigError
+from .config_file import check_depth, read_config_file
+from .config_sections import (
+    DEFAULT_LOWER_PRECISION_SAFE_MODULES,
+    BF16Config,
+    CheckpointConfig,
+    DataTypesConfig,
+    FP16Config,
+    JsonInt,
+    OptimizerConfig,
+    SchedulerConfig,
+    TorchAutocastConfig,
+    ZeroConfig,
+    _did_you_mean,
+    _disabled_section,
+    _empty,
+    _equals,
+    _find_autos,
+    _join,
+    _Report,
+    _Section,
+    _show,
+    _Unsupported,
+    _validate_dtype_name,
+    canonical_dtype_name,
+)
 
 __all__ = [
     "BF16Config",
+    "CheckpointConfig",
     "ConfigError",
     "DEFAULT_LOWER_PRECISION_SAFE_MODULES",
     "DataTypesConfig",
@@ -42,418 +74,11 @@ __all__ = [
     "ZeroConfig",
     "ZeroshardConfig",
     "ZeroshardExtras",
+    "PRECISION_KEYS",
     "canonical_dtype_name",
+    "check_config",
     "load_config",
 ]
-
-
-class ConfigError(ValueError):
-    """A config the user gave cannot be used. The message lists every problem, one per line.
-
-    Attributes:
-        problems: one entry per problem, each starting with the JSON path of the key.
-    """
-
-    def __init__(self, problems: list[str] | str):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        if len(self.problems) == 1:
-            message = self.problems[0]
-        else:
-            message = "invalid config:\n" + "\n".join(f"  {p}" for p in self.problems)
-        super().__init__(message)
-
-
-# ---------------------------------------------------------------------------------------------
-# dtype names
-# ---------------------------------------------------------------------------------------------
-
-_DTYPE_ALIASES = {
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-}
-
-
-def canonical_dtype_name(name: str) -> str:
-    """Map any accepted dtype spelling to "fp32", "fp16" or "bf16".
-
-    Accepts "fp32"/"float32", "fp16"/"float16"/"half", "bf16"/"bfloat16", with or without a
-    "torch." prefix (DeepSpeed's own tests write ``str(torch.bfloat16)``).
-
-    Raises:
-        ValueError: for any other name.
-    """
-    key = str(name).strip().lower().removeprefix("torch.")
-    if key not in _DTYPE_ALIASES:
-        raise ValueError(
-            f"unknown dtype {name!r}; use one of 'fp32', 'fp16', 'bf16' "
-            "(or 'float32', 'float16', 'half', 'bfloat16')"
-        )
-    return _DTYPE_ALIASES[key]
-
-
-def _validate_dtype_name(value: str | None) -> str | None:
-    if value is None:
-        return None
-    canonical_dtype_name(value)
-    return value
-
-
-# ---------------------------------------------------------------------------------------------
-# Key classes
-# ---------------------------------------------------------------------------------------------
-
-
-class _Unsupported(NamedTuple):
-    """A recognised DeepSpeed key we do not implement.
-
-    Attributes:
-        is_inert: True for a value that asks for nothing (the feature switched off); such a
-            value is accepted as "no effect".
-        hint: what to do instead.
-    """
-
-    is_inert: Callable[[Any], bool]
-    hint: str = "Remove it."
-
-
-def _equals(*inert_values: Any) -> Callable[[Any], bool]:
-    return lambda v: any(type(v) is type(i) and v == i for i in inert_values) or (
-        # JSON writes 1.0 and 1 interchangeably
-        isinstance(v, (int, float)) and not isinstance(v, bool)
-        and any(isinstance(i, (int, float)) and not isinstance(i, bool) and v == i for i in inert_values)
-    )
-
-
-def _disabled_section(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and not v.get("enabled", False))
-
-
-def _offload_off(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and str(v.get("device", "none")).lower() == "none")
-
-
-def _empty(v: Any) -> bool:
-    return v is None or v == {} or v == []
-
-
-class _Section(BaseModel):
-    """Base of every config section: unknown keys are refused (with "did you mean")."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-
-    # Field names that are accepted tuning knobs with no effect on any result.
-    NO_EFFECT: ClassVar[frozenset[str]] = frozenset()
-    # Recognised DeepSpeed keys we do not implement (not fields).
-    NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {}
-    # Fields whose default is not worth listing among "defaults applied".
-    UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
-
-    @classmethod
-    def json_keys(cls) -> list[str]:
-        """Every key this section recognises, in any class."""
-        return [*cls.model_fields, *cls.NOT_SUPPORTED]
-
-    @classmethod
-    def check_extra(cls, raw: dict[str, Any], path: str, report: _Report) -> None:
-        """Section-specific checks of the raw dict (e.g. optimizer params); override."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Sections
-# ---------------------------------------------------------------------------------------------
-
-_SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "muon": "Muon"}
-_UNSUPPORTED_OPTIMIZERS = {
-    "adagrad": "Adagrad",
-    "lamb": "Lamb",
-    "onebitadam": "OneBitAdam",
-    "zerooneadam": "ZeroOneAdam",
-    "onebitlamb": "OneBitLamb",
-    "lion": "Lion",
-    "muadam": "MuAdam",
-    "muadamw": "MuAdamW",
-    "musgd": "MuSGD",
-}
-# Parameter names checked for typos; None = passed through to the optimizer unchecked.
-_OPTIMIZER_PARAMS: dict[str, frozenset[str] | None] = {
-    "adam": frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"}),
-    "adamw": frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"}),
-    "sgd": frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov"}),
-    "muon": None,
-}
-
-
-def _did_you_mean(key: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else f" Known keys here: {', '.join(sorted(candidates))}."
-
-
-class OptimizerConfig(_Section):
-    """``optimizer``: the optimizer the engine builds when the user passes none.
-
-    Attributes:
-        type: as written ("Adam", "AdamW", "SGD", "Muon"), validated case-insensitively.
-        params: keyword arguments of the optimizer.
-    """
-
-    type: str
-    params: dict[str, Any] = Field(default_factory=dict)
-    legacy_fusion: bool = False
-
-    NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"legacy_fusion"})
-
-    @field_validator("type")
-    @classmethod
-    def _known_type(cls, value: str) -> str:
-        key = value.lower()
-        if key in _SUPPORTED_OPTIMIZERS:
-            return value
-        if key in _UNSUPPORTED_OPTIMIZERS:
-            raise ValueError(
-                "recognised DeepSpeed optimizer, not supported by zeroshard. "
-                f"Use one of {', '.join(_SUPPORTED_OPTIMIZERS.values())}"
-            )
-        raise ValueError(
-            "unknown optimizer type." + _did_you_mean(value, list(_SUPPORTED_OPTIMIZERS.values()))
-        )
-
-    @classmethod
-    def check_extra(cls, raw: dict[str, Any], path: str, report: _Report) -> None:
-        opt_type = raw.get("type")
-        params = raw.get("params")
-        if not isinstance(opt_type, str) or not isinstance(params, dict):
-            return
-        known = _OPTIMIZER_PARAMS.get(opt_type.lower())
-        if known is None:
-            return
-        for key in params:
-            if key not in known:
-                report.problems.append(
-                    f"{path}.params.{key}: unknown parameter of {opt_type}."
-                    + _did_you_mean(key, sorted(known))
-                )
-
-
-_SCHEDULER_PARAMS = {
-    "WarmupLR": frozenset(
-        {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"}
-    ),
-    "WarmupDecayLR": frozenset(
-        {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration",
-         "total_num_steps"}
-    ),
-    "WarmupCosineLR": frozenset(
-        {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
-         "last_batch_iteration"}
-    ),
-}
-_UNSUPPORTED_SCHEDULERS = ("LRRangeTest", "OneCycle")
-
-
-class SchedulerConfig(_Section):
-    """``scheduler``: a DeepSpeed learning-rate schedule by name.
-
-    Attributes:
-        type: "WarmupLR", "WarmupDecayLR" or "WarmupCosineLR".
-        params: the schedule's parameters, with DeepSpeed's names.
-    """
-
-    type: str
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("type")
-    @classmethod
-    def _known_type(cls, value: str) -> str:
-        if value in _SCHEDULER_PARAMS:
-            return value
-        if value in _UNSUPPORTED_SCHEDULERS:
-            raise ValueError(
-                "recognised DeepSpeed scheduler, not supported by zeroshard. "
-                f"Use one of {', '.join(_SCHEDULER_PARAMS)}"
-            )
-        raise ValueError("unknown scheduler type." + _did_you_mean(value, list(_SCHEDULER_PARAMS)))
-
-    @classmethod
-    def check_extra(cls, raw: dict[str, Any], path: str, report: _Report) -> None:
-        known = _SCHEDULER_PARAMS.get(raw.get("type"))  # type: ignore[arg-type]
-        params = raw.get("params")
-        if known is None or not isinstance(params, dict):
-            return
-        for key in params:
-            if key not in known:
-                report.problems.append(
-                    f"{path}.params.{key}: unknown parameter of {raw['type']}."
-                    + _did_you_mean(key, sorted(known))
-                )
-
-
-class FP16Config(_Section):
-    """``fp16``: fp16 parameters and compute with loss scaling (DeepSpeed defaults).
-
-    ``loss_scale`` 0 means dynamic scaling starting at ``2**initial_scale_power``.
-    """
-
-    enabled: bool = False
-    loss_scale: float = Field(0.0, ge=0)
-    initial_scale_power: int = Field(16, ge=0, le=126)
-    loss_scale_window: int = Field(1000, ge=1)
-    hysteresis: int = Field(2, ge=1)
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0)
-    fused_mode: bool = True
-
-    NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"fused_mode"})
-    NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
-        "auto_cast": _Unsupported(_equals(False), "Inputs are not cast by the engine; cast them yourself."),
-        "fp16_master_weights_and_grads": _Unsupported(_equals(False), "Master weights stay fp32 with fp16."),
-    }
-
-
-class BF16Config(_Section):
-    """``bf16``: bf16 parameters and compute, fp32 master weights by default.
-
-    ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` are DeepSpeed 0.19's
-    low-precision options (same key names, same section).
-    """
-
-    enabled: bool = False
-    check_grad_overflow: bool = True
-    bf16_master_weights_and_grads: bool = False
-    bf16_optimizer_states: bool = False
-    immediate_grad_update: bool = True
-
-    NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"immediate_grad_update"})
-    NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
-        "check_overflow": _Unsupported(lambda v: False, "Old spelling: use 'check_grad_overflow'."),
-    }
-
-    @property
-    def bf16_master_weights_and_gradients(self) -> bool:
-        """Same as ``bf16_master_weights_and_grads`` (the JSON key)."""
-        return self.bf16_master_weights_and_grads
-
-
-DEFAULT_LOWER_PRECISION_SAFE_MODULES = (
-    "torch.nn.Linear",
-    "torch.nn.Conv1d",
-    "torch.nn.Conv2d",
-    "torch.nn.Conv3d",
-)
-
-
-class TorchAutocastConfig(_Section):
-    """``torch_autocast``: fp32 parameters, compute under ``torch.autocast(dtype)``.
-
-    Attributes:
-        lower_precision_safe_modules: dotted class names whose parameters are reduced and
-            gathered in ``dtype``; None means ``DEFAULT_LOWER_PRECISION_SAFE_MODULES``.
-    """
-
-    enabled: bool = False
-    dtype: str = "bfloat16"
-    lower_precision_safe_modules: list[str] | None = None
-
-    @field_validator("dtype")
-    @classmethod
-    def _check_dtype(cls, value: str) -> str:
-        return _validate_dtype_name(value)  # type: ignore[return-value]
-
-
-class DataTypesConfig(_Section):
-    """``data_types``: ``grad_accum_dtype`` (None lets the precision plan choose, fp32)."""
-
-    grad_accum_dtype: str | None = None
-
-    @field_validator("grad_accum_dtype")
-    @classmethod
-    def _check_dtype(cls, value: str | None) -> str | None:
-        return _validate_dtype_name(value)
-
-
-class ZeroConfig(_Section):
-    """``zero_optimization``: the ZeRO stage and bucket sizes (element counts).
-
-    The bucket sizes bound communication buffers; the other DeepSpeed knobs are accepted and
-    change nothing here. ``overlap_comm`` defaults to True at stage 3 and False otherwise, as in
-    DeepSpeed.
-    """
-
-    stage: int = Field(0, ge=0, le=3)
-    reduce_bucket_size: int = Field(500_000_000, ge=1)
-    allgather_bucket_size: int = Field(500_000_000, ge=1)
-    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
-    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
-    # Accepted, no effect.
-    overlap_comm: bool | None = None
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    allgather_partitions: bool = True
-    use_multi_rank_bucket_allreduce: bool = True
-    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
-    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
-    stage3_model_persistence_threshold: int = Field(2**63 - 1, ge=0)
-    stage3_module_granularity_threshold: int = 0
-    stage3_use_all_reduce_for_fetch_params: bool = False
-    stage3_allgather_sequential: bool = False
-    stage3_partition_stream_chunk_size: int = 0
-    stage3_gather_16bit_weights_on_model_save: bool = False
-    stage3_gather_fp16_weights_on_model_save: bool = False
-    sub_group_size: int = Field(1_000_000_000, ge=0)
-    load_from_fp32_weights: bool = True
-    elastic_checkpoint: bool = False
-    ignore_unused_parameters: bool = True
-    round_robin_gradients: bool = False
-    memory_efficient_linear: bool = True
-    override_module_apply: bool = True
-    pipeline_loading_checkpoint: bool = False
-    log_trace_cache_warnings: bool = False
-    enable_sanity_checks: bool = False
-    save_muon_momentum_buffer_in_memory: bool = False
-    cpu_offload_use_pin_memory: bool | None = None
-
-    NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
-        {
-            "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-            "use_multi_rank_bucket_allreduce", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-            "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
-            "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
-            "stage3_partition_stream_chunk_size", "stage3_gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save", "sub_group_size", "load_from_fp32_weights",
-            "elastic_checkpoint", "ignore_unused_parameters", "round_robin_gradients",
-            "memory_efficient_linear", "override_module_apply", "pipeline_loading_checkpoint",
-            "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory",
-            "cpu_offload_use_pin_memory",
-        }
-    )
-    NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
-        "offload_optimizer": _Unsupported(_offload_off, "Offloading is not implemented; remove it."),
-        "offload_param": _Unsupported(_offload_off, "Offloading is not implemented; remove it."),
-        "cpu_offload": _Unsupported(_equals(False, None), "Offloading is not implemented; remove it."),
-        "cpu_offload_param": _Unsupported(_equals(False, None), "Offloading is not implemented; remove it."),
-        "zero_hpz_partition_size": _Unsupported(_equals(1), "ZeRO++ hpZ is not implemented; remove it."),
-        "zero_quantized_weights": _Unsupported(_equals(False), "ZeRO++ quantization is not implemented."),
-        "zero_quantized_nontrainable_weights": _Unsupported(
-            _equals(False), "ZeRO++ quantization is not implemented."
-        ),
-        "zero_quantized_gradients": _Unsupported(_equals(False), "ZeRO++ quantization is not implemented."),
-        "zeropp_loco_param": _Unsupported(_empty, "ZeRO++ LoCo is not implemented; remove it."),
-        "mics_shard_size": _Unsupported(_equals(-1), "MiCS is not implemented; remove it."),
-        "mics_hierarchical_params_gather": _Unsupported(_equals(False), "MiCS is not implemented."),
-        "zenflow": _Unsupported(_empty, "ZenFlow is not implemented; remove it."),
-        "legacy_stage1": _Unsupported(_equals(False), "Remove it."),
-        "leaf_module": _Unsupported(_empty, "Use zeroshard.unit_module_classes to choose units."),
-    }
-
-    @property
-    def overlap_comm_resolved(self) -> bool:
-        """DeepSpeed's dynamic default: on at stage 3, off otherwise."""
-        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
 
 class ZeroshardExtras(_Section):
@@ -468,8 +93,8 @@ class ZeroshardExtras(_Section):
     """
 
     unit_module_classes: list[str] | None = None
-    unit_min_params: int = Field(0, ge=0)
-    shard_group_size: int | None = Field(None, ge=1)
+    unit_min_params: JsonInt = Field(0, ge=0)
+    shard_group_size: JsonInt | None = Field(None, ge=1)
 
 
 class ZeroshardConfig(_Section):
@@ -480,9 +105,9 @@ class ZeroshardConfig(_Section):
     ``derived_keys``, ``raw`` and ``world_size`` describe how it was built.
     """
 
-    train_batch_size: int | None = Field(None, ge=1)
-    train_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
-    gradient_accumulation_steps: int | None = Field(None, ge=1)
+    train_batch_size: JsonInt | None = Field(None, ge=1)
+    train_micro_batch_size_per_gpu: JsonInt | None = Field(None, ge=1)
+    gradient_accumulation_steps: JsonInt | None = Field(None, ge=1)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     gradient_clipping: float = Field(1.0, ge=0)
@@ -492,8 +117,8 @@ class ZeroshardConfig(_Section):
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     communication_data_type: str | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    steps_per_print: int = Field(10, ge=1)
-    seed: int | None = None
+    steps_per_print: JsonInt = Field(10, ge=1)
+    seed: JsonInt | None = None
     dataloader_drop_last: bool = False
     zeroshard: ZeroshardExtras = Field(default_factory=ZeroshardExtras)
     # Accepted, no effect: logging, monitoring and permission knobs.
@@ -502,14 +127,14 @@ class ZeroshardConfig(_Section):
     dump_state: bool = False
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
-    vocabulary_size: int | None = None
+    vocabulary_size: JsonInt | None = None
     flops_profiler: dict[str, Any] | None = None
     tensorboard: dict[str, Any] | None = None
     wandb: dict[str, Any] | None = None
     csv_monitor: dict[str, Any] | None = None
     comet: dict[str, Any] | None = None
     comms_logger: dict[str, Any] | None = None
-    checkpoint: dict[str, Any] | None = None
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: dict[str, Any] | None = None
     timers: dict[str, Any] | None = None
     seq_parallel_communication_data_type: str | None = None
@@ -524,7 +149,7 @@ class ZeroshardConfig(_Section):
         {
             "wall_clock_breakdown", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer", "vocabulary_size", "flops_profiler", "tensorboard", "wandb",
-            "csv_monitor", "comet", "comms_logger", "checkpoint", "aio", "timers",
+            "csv_monitor", "comet", "comms_logger", "aio", "timers",
             "seq_parallel_communication_data_type", "use_data_before_expert_parallelism",
         }
     )
@@ -533,7 +158,6 @@ class ZeroshardConfig(_Section):
          "gradient_accumulation_steps"}
     )
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
-        "bfloat16": _Unsupported(lambda v: False, "Old spelling: use the 'bf16' section."),
         "amp": _Unsupported(_disabled_section, "Use 'bf16', 'fp16' or 'torch_autocast'."),
         "activation_checkpointing": _Unsupported(_empty, "Use torch.utils.checkpoint in your model."),
         "sparse_attention": _Unsupported(_empty, "Remove it."),
@@ -570,6 +194,27 @@ class ZeroshardConfig(_Section):
     _no_effect_keys: list[str] = PrivateAttr(default_factory=list)
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _world_size: int = PrivateAttr(default=1)
+    _precision_plan: Any = PrivateAttr(default=None)
+
+    # Legacy spellings of a section, read when the current one is absent (as DeepSpeed does).
+    LEGACY_SECTIONS: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
+
+    @property
+    def precision_plan(self) -> Any:
+        """The resolved PrecisionPlan (zeroshard.precision); set by ``resolve_config``."""
+        if self._precision_plan is None:
+            raise AttributeError(
+                "this config was checked by load_config only; zeroshard.resolve.resolve_config "
+                "gives the resolved config with its precision plan."
+            )
+        return self._precision_plan
+
+    @property
+    def stage_policy(self) -> Any:
+        """The StagePolicy (zeroshard.stages) of ``zero_optimization.stage``."""
+        from .stages import stage_policy
+
+        return stage_policy(self.zero_optimization.stage)
 
     @property
     def defaults_applied(self) -> list[str]:
@@ -602,47 +247,6 @@ class ZeroshardConfig(_Section):
 # ---------------------------------------------------------------------------------------------
 
 
-class _Report:
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-        self.no_effect: list[str] = []
-        self.no_effect_changed: list[str] = []
-
-
-def _join(path: str, key: str | int) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _show(value: Any) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value.strip().lower() == "auto"
-
-
-def _find_autos(value: Any, path: str, report: _Report) -> bool:
-    """Report every "auto" inside ``value``; True if any was found."""
-    found = False
-    if _is_auto(value):
-        report.problems.append(
-            f'{path}="auto": "auto" is a placeholder that the Hugging Face integration fills in; '
-            "zeroshard does not. Resolve it to a concrete value before initialize."
-        )
-        return True
-    if isinstance(value, dict):
-        for k, v in value.items():
-            found |= _find_autos(v, _join(path, k), report)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found |= _find_autos(v, _join(path, i), report)
-    return found
-
-
 def _section_class(annotation: Any) -> type[_Section] | None:
     """The section model inside ``annotation`` (unwrapping ``X | None``), if any."""
     candidates = typing.get_args(annotation) or (annotation,)
@@ -666,13 +270,23 @@ def _asks_for_something(value: Any, default: Any) -> bool:
 def _walk(section: type[_Section], raw: dict[str, Any], path: str, report: _Report) -> dict[str, Any]:
     """Classify every key of ``raw``; return the part pydantic should validate."""
     cleaned: dict[str, Any] = {}
-    for key, value in raw.items():
-        key_path = _join(path, key)
-        if not isinstance(key, str):
+    legacy = getattr(section, "LEGACY_SECTIONS", {})
+    for written, value in raw.items():
+        key_path = _join(path, written)
+        if not isinstance(written, str):
             report.problems.append(f"{key_path}: keys must be strings.")
             continue
         if _find_autos(value, key_path, report):
             continue
+        key = section.ALIASES.get(written) or legacy.get(written) or written
+        if key != written:
+            if key in raw:
+                report.problems.append(
+                    f"{key_path}={_show(value)}: DeepSpeed's other name for '{_join(path, key)}', which is "
+                    f"given too. Keep one of them."
+                )
+                continue
+            report.written_as[_join(path, key)] = key_path
         if key in section.model_fields:
             sub = _section_class(section.model_fields[key].annotation)
             if sub is not None and isinstance(value, dict):
@@ -698,17 +312,75 @@ def _walk(section: type[_Section], raw: dict[str, Any], path: str, report: _Repo
     return cleaned
 
 
-def _pydantic_problems(error: ValidationError) -> list[str]:
+_TYPE_RULES = {
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+}
+
+
+def _type_fix(value: Any, rule: str) -> str:
+    """How to write ``value`` so that it meets a type rule."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("true", "false") and "true or false" in rule:
+            return f"Write {text.lower()} without quotes."
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+        if number is not None and "true or false" not in rule:
+            return f"Write {text} without quotes."
+    if isinstance(value, bool):
+        return "Write a number, not true or false." if "true or false" not in rule else ""
+    if "true or false" in rule:
+        return "Write true or false (a JSON boolean)."
+    if "integer" in rule and isinstance(value, float):
+        return "Write a whole number."
+    if "string" in rule:
+        return "Write it in double quotes."
+    if "list" in rule:
+        return "Write a JSON list: [...]."
+    return "Write a number without quotes."
+
+
+def _written_path(path: str, report: _Report) -> str:
+    for validated, written in report.written_as.items():
+        if path == validated or path.startswith(validated + "."):
+            return written + path[len(validated):]
+    return path
+
+
+def _pydantic_problems(error: ValidationError, report: _Report) -> list[str]:
     problems = []
     for item in error.errors():
-        path = ".".join(str(p) for p in item["loc"])
+        path = _written_path(".".join(str(p) for p in item["loc"]), report)
         message = str(item["msg"]).removeprefix("Value error, ").rstrip(".")
+        value = item.get("input")
         if item["type"] == "missing":
             problems.append(f"{path}: required key is missing.")
+        elif item["type"] in _TYPE_RULES:
+            rule = _TYPE_RULES[item["type"]]
+            problems.append(f"{path}={_show(value)}: {rule}. {_type_fix(value, rule)}".rstrip())
         else:
             end = "" if message.endswith(("?", ".")) else "."
-            problems.append(f"{path}={_show(item.get('input'))}: {message}{end}")
+            problems.append(f"{path}={_show(value)}: {message}{end}")
     return problems
+
+
+def _drop(cleaned: dict[str, Any], loc: tuple[Any, ...]) -> None:
+    """Remove the value at ``loc`` (or its nearest existing parent key) from ``cleaned``."""
+    node: Any = cleaned
+    for i, part in enumerate(loc):
+        if not isinstance(node, dict) or part not in node:
+            return
+        if i == len(loc) - 1 or not isinstance(node[part], dict):  # a leaf, or inside a list
+            del node[part]
+            return
+        node = node[part]
 
 
 def _collect_defaults(model: _Section, raw: dict[str, Any], path: str, out: list[str]) -> None:
@@ -787,9 +459,9 @@ def _resolve_batch_triangle(cfg: ZeroshardConfig, world_size: int) -> list[str]:
             defaults.append("gradient_accumulation_steps")
         train = micro * accum * world_size
         derived.append("train_batch_size")
-    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = (
-        train, micro, accum,
-    )
+    cfg.__dict__.update(
+        train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum
+    )  # the config is frozen for its readers; this pass is its one writer
     cfg._derived_keys.extend(derived)
     cfg._defaults_applied[:0] = defaults
     return []
@@ -797,38 +469,30 @@ def _resolve_batch_triangle(cfg: ZeroshardConfig, world_size: int) -> list[str]:
 
 def _read_raw(raw: dict | str | os.PathLike) -> dict[str, Any]:
     if isinstance(raw, dict):
+        check_depth(raw, "the config dict")
         return raw
     if isinstance(raw, (str, os.PathLike)):
-        path = Path(raw)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}.") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"config file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}, "
-                f"column {exc.colno}."
-            ) from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a JSON object, not {type(data).__name__}.")
-        return data
+        return read_config_file(Path(raw))
     raise ConfigError(f"config must be a dict or a path to a JSON file, not {type(raw).__name__}.")
 
 
-def load_config(raw: dict | str | os.PathLike, world_size: int = 1) -> ZeroshardConfig:
-    """Validate a DeepSpeed-style config and resolve it for ``world_size`` ranks.
+# Top-level keys whose problems make the precision plan meaningless to resolve.
+PRECISION_KEYS = frozenset({"fp16", "bf16", "bfloat16", "torch_autocast", "data_types", "communication_data_type"})
 
-    Args:
-        raw: the config as a dict, or the path of a JSON file holding it.
-        world_size: data-parallel world size, used to resolve the batch-size triangle.
+
+def check_config(
+    raw: dict | str | os.PathLike, world_size: int = 1
+) -> tuple[ZeroshardConfig | None, list[str], set[str]]:
+    """Check every key of a config; the first half of ``resolve_config``.
 
     Returns:
-        The validated config, with defaults filled in and the batch triangle resolved.
+        ``(config, problems, tainted)``: the config with defaults filled in and the batch
+        triangle resolved (the keys that broke a rule left at their defaults, so that the
+        checks across sections can still run; None only when nothing validates), every
+        problem found, and the top-level keys that had one.
 
     Raises:
-        ConfigError: listing every problem, each naming its JSON path.
+        ConfigError: when ``raw`` cannot be read at all (a bad file, a bad world size).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world_size={world_size!r}: must be a positive integer.")
@@ -836,29 +500,69 @@ def load_config(raw: dict | str | os.PathLike, world_size: int = 1) -> Zeroshard
     report = _Report()
     cleaned = _walk(ZeroshardConfig, data, "", report)
     problems = list(report.problems)
-    try:
-        cfg = ZeroshardConfig.model_validate(cleaned)
-    except ValidationError as exc:
-        problems.extend(_pydantic_problems(exc))
-        cfg = None
-    if cfg is not None and not problems:
-        cfg._raw = copy.deepcopy(data)
-        cfg._world_size = world_size
-        cfg._no_effect_keys = list(report.no_effect)
-        _collect_defaults(cfg, cleaned, "", cfg._defaults_applied)
-        if cfg.zero_optimization.overlap_comm is None:
-            cfg.zero_optimization.overlap_comm = cfg.zero_optimization.overlap_comm_resolved
+    tainted = {p.split(".")[0].split("=")[0].split(":")[0] for p in problems}
+    cfg = None
+    for _ in range(8):  # drop what failed and validate again, to check the rest
+        try:
+            cfg = ZeroshardConfig.model_validate(cleaned)
+            break
+        except ValidationError as exc:
+            if cfg is None and not problems[len(report.problems):]:
+                problems.extend(_pydantic_problems(exc, report))
+            for item in exc.errors():
+                tainted.add(str(item["loc"][0]) if item["loc"] else "")
+                _drop(cleaned, item["loc"])
+    if cfg is None:
+        return None, problems, tainted
+    cfg._raw = copy.deepcopy(data)
+    cfg._world_size = world_size
+    cfg._no_effect_keys = list(report.no_effect)
+    fp16_path = report.written_as.get("fp16", "fp16")
+    if not cfg.fp16.enabled or cfg.fp16.loss_scale > 0:
+        # Dynamic-scaling knobs beside a static scale or with fp16 off: DeepSpeed accepts them
+        # and so do we, as "accepted, no effect" (listed, and warned about once).
+        written = data.get(fp16_path) if isinstance(data.get(fp16_path), dict) else {}
+        for key in FP16Config.DYNAMIC_ONLY:
+            if key in written:
+                cfg._no_effect_keys.append(f"{fp16_path}.{key}")
+                if written[key] != FP16Config.model_fields[key].default:
+                    report.no_effect_changed.append(f"{fp16_path}.{key}")
+    _collect_defaults(cfg, cleaned, "", cfg._defaults_applied)
+    if cfg.zero_optimization.overlap_comm is None:
+        cfg.zero_optimization.__dict__["overlap_comm"] = cfg.zero_optimization.overlap_comm_resolved
+    if not tainted & set(_BATCH_KEYS):
         problems.extend(_resolve_batch_triangle(cfg, world_size))
+    if not problems:
+        new_warnings = [k for k in report.no_effect_changed if k not in _warned_no_effect]
+        if new_warnings:
+            _warned_no_effect.update(new_warnings)
+            warnings.warn(
+                "zeroshard accepts these DeepSpeed keys but they change nothing here: " + ", ".join(new_warnings),
+                UserWarning,
+                stacklevel=3,
+            )
+    return cfg, problems, tainted
+
+
+def load_config(raw: dict | str | os.PathLike, world_size: int = 1) -> ZeroshardConfig:
+    """Check every key of a DeepSpeed-style config and resolve it for ``world_size`` ranks.
+
+    This is the per-key half of the validation; ``zeroshard.resolve.resolve_config`` adds the
+    rules across sections (the precision plan, Muon's parameters) and is what ``initialize``
+    and ``zeroshard explain`` use.
+
+    Args:
+        raw: the config as a dict, or the path of a JSON (or HJSON) file holding it.
+        world_size: data-parallel world size, used to resolve the batch-size triangle.
+
+    Returns:
+        The validated, frozen config, with defaults filled in and the batch triangle resolved.
+
+    Raises:
+        ConfigError: listing every problem, each naming its JSON path.
+    """
+    cfg, problems, _ = check_config(raw, world_size)
     if problems:
         raise ConfigError(problems)
     assert cfg is not None
-    new_warnings = [k for k in report.no_effect_changed if k not in _warned_no_effect]
-    if new_warnings:
-        _warned_no_effect.update(new_warnings)
-        warnings.warn(
-            "zeroshard accepts these DeepSpeed keys but they change nothing here: "
-            + ", ".join(new_warnings),
-            UserWarning,
-            stacklevel=2,
-        )
     return cfg

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 
 from .autocast import forward_context
 from .config import ZeroshardConfig
+from .device import select_device
 from .flat import FlatParamGroup
 from .grad_path import GradientPath
 from .grad_reduce import GradientReducer
@@ -94,11 +95,7 @@ class Engine:
         # Sequence ranks share samples: gradients average over data-parallel replicas only.
         self.data_parallel_size = self.layout.data_parallel_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        self.device = select_device(model)
         self.module = model.to(self.device)
         self.global_steps = 0
         self.micro_steps = 0
@@ -106,6 +103,7 @@ class Engine:
         self._boundary_override: bool | None = None
         self._global_grad_norm: float | None = None
         self._post_clip_grad_norm: float | None = None
+        self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
         if muon.is_muon_requested(optimizer, config.optimizer):
@@ -151,7 +149,8 @@ class Engine:
 
     # ------------------------------------------------------------------ setup
     def _cast_module(self, model: nn.Module) -> None:
-        """Give every parameter its group's dtype; floating buffers follow in bf16/fp16 modes."""
+        """Give every parameter its group's dtype; floating buffers keep theirs unless the plan
+        names a buffer dtype (data_types.buffer_dtype)."""
         names = assign_param_groups(self.precision_plan, model)
         self._param_group_name = {id(p): names[n] for n, p in model.named_parameters()}
         with torch.no_grad():
@@ -159,8 +158,8 @@ class Engine:
                 dtype = self.precision_plan.groups[names[n]].param_dtype
                 if p.dtype != dtype and p.is_floating_point():
                     p.data = p.data.to(dtype)
-            if self.precision_plan.mode in ("bf16", "fp16"):
-                dtype = next(iter(self.precision_plan.groups.values())).param_dtype
+            if self.precision_plan.buffer_dtype is not None:
+                dtype = self.precision_plan.buffer_dtype
                 for buf_name, buf in model.named_buffers():
                     if buf.is_floating_point():
                         owner, _, leaf = buf_name.rpartition(".")
@@ -260,7 +259,7 @@ class Engine:
                 return x
 
             args, kwargs = tree_map(cast, (args, kwargs))
-        with forward_context(self.precision_plan, self.device.type):
+        with forward_context(self.precision_plan, self.device.type, self._autocast_warned):
             return self.module(*args, **kwargs)
 
     __call__ = forward
@@ -328,7 +327,7 @@ class Engine:
 
     def load_checkpoint(
         self, load_dir, tag=None, load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+        load_lr_scheduler_states: bool = True, load_module_only: bool = False, allow_pickle: bool = False,
     ):
         """Load a checkpoint saved on any world size and stage; returns (path, client_state)."""
         from . import checkpoint
@@ -336,6 +335,7 @@ class Engine:
         return checkpoint.load_checkpoint(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            allow_pickle=allow_pickle,
         )
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors"):

@@ -15,9 +15,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from zeroshard.config import ConfigError, ZeroshardConfig, load_config
+from zeroshard.config import ConfigError, ZeroshardConfig
 from zeroshard.memory import MemoryEstimate, bytes_per_param, estimate_for_config, optimizer_state_count
-from zeroshard.precision import PrecisionPlan, assign_param_groups, resolve_precision_plan
+from zeroshard.precision import PrecisionPlan, assign_param_groups
+from zeroshard.resolve import resolve_config
 
 __all__ = ["ConfigError", "UsageError", "build_model_on_meta", "explain_data", "explain_text", "print_tables"]
 
@@ -138,8 +139,8 @@ def explain_data(
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # explain lists the no-effect keys itself
-        config = load_config(config_path, world_size=world_size)
-    plan = resolve_precision_plan(config)
+        config = resolve_config(config_path, world_size=world_size)
+    plan = config.precision_plan
     data: dict[str, Any] = {
         "config": str(config_path),
         "world_size": world_size,
@@ -235,8 +236,11 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     table.add_row("loss scaling", *([scale_text] * len(groups)))
     console.print(table)
     console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']}")
+    console.print(f"floating buffers: {precision.get('buffers', 'own dtype')} (data_types.buffer_dtype)")
     for note in precision["notes"]:
         console.print(f"note: {note}")
+    for choice in precision.get("lossy", []):
+        console.print(f"[bold]LOSSY[/bold]: {choice}", highlight=False)
 
     if model is not None:
         console.print(f"\nmodel [bold]{model['spec']}[/bold]: {model['num_params']:,} parameters")

@@ -39,6 +39,7 @@ import torch
 
 from zeroshard.config import ZeroshardConfig
 from zeroshard.precision import PrecisionPlan
+from zeroshard.stages import StagePolicy, stage_policy
 
 __all__ = [
     "MemoryEstimate",
@@ -89,6 +90,17 @@ def zero_paper_model_state_bytes(stage: int, num_params: int, world_size: int, k
     return {0: (4 + k) * p, 1: 4 * p + k * p / w, 2: 2 * p + (2 + k) * p / w, 3: (4 + k) * p / w}[stage]
 
 
+def _sharded_roles(policy: StagePolicy, param: int, grad: int, master: int, state: int) -> list[tuple[int, bool]]:
+    """Each model state with whether the stage keeps only a shard of it (the StagePolicy's
+    answer: stages.py is the one place a stage is described)."""
+    return [
+        (param, not policy.keep_full_params),
+        (grad, policy.reduce_every_backward),
+        (master, policy.shard_optimizer),
+        (state, policy.shard_optimizer),
+    ]
+
+
 def bytes_per_param(plan: PrecisionPlan, stage: int, state_count: int = 2, group: str | None = None) -> tuple[int, int]:
     """Model-state bytes per parameter as ``(a, b)``, meaning ``a * P + b * P / W``.
 
@@ -99,12 +111,13 @@ def bytes_per_param(plan: PrecisionPlan, stage: int, state_count: int = 2, group
         group: the plan's group to use (default: the first).
     """
     role = plan.groups[group or next(iter(plan.groups))]
+    policy = stage_policy(stage)
     param, grad = _size(role.param_dtype), _size(role.grad_accum_dtype)
     master = 0 if role.master_is_param else _size(role.master_dtype)
     state = state_count * _size(role.optimizer_state_dtype)
     replicated = sharded = 0
-    for nbytes, sharded_from in ((param, 3), (grad, 2), (master, 1), (state, 1)):
-        if stage >= sharded_from:
+    for nbytes, is_sharded in _sharded_roles(policy, param, grad, master, state):
+        if is_sharded:
             sharded += nbytes
         else:
             replicated += nbytes
@@ -188,8 +201,7 @@ def estimate_memory(
             everything (an upper bound).
         persistence_threshold: stage-3 units smaller than this stay gathered.
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage={stage}: must be 0, 1, 2 or 3")
+    policy = stage_policy(stage)  # ValueError naming the stage for anything but 0-3
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be positive")
     counts = {next(iter(plan.groups)): param_counts} if isinstance(param_counts, int) else dict(param_counts)
@@ -211,10 +223,10 @@ def estimate_memory(
         role = plan.groups[name]
         shard = padded_shard_numel(numel, world_size)
         kept = {  # elements of each role held on this rank
-            "params": shard if stage >= 3 else numel,
-            "gradients": shard if stage >= 2 else numel,
-            "master_weights": 0 if role.master_is_param else (shard if stage >= 1 else numel),
-            "optimizer_state": optimizer_states * (shard if stage >= 1 else numel),
+            "params": numel if policy.keep_full_params else shard,
+            "gradients": shard if policy.reduce_every_backward else numel,
+            "master_weights": 0 if role.master_is_param else (shard if policy.shard_optimizer else numel),
+            "optimizer_state": optimizer_states * (shard if policy.shard_optimizer else numel),
         }
         group_bytes = {
             "params": kept["params"] * _size(role.param_dtype),
@@ -235,11 +247,11 @@ def estimate_memory(
     # One bucket filling per (accumulation, wire) dtype pair, plus one being reduced.
     filling = len({(r.grad_accum_dtype, r.reduce_dtype) for r in roles})
     buffers["reduce_bucket"] = min((filling + 1) * reduce_bucket_size, total) * reduce_size
-    if stage >= 2:
+    if policy.reduce_every_backward:
         buffers["grad_unit_buffer"] = largest_unit * accum_size
-    if stage in (1, 2):
+    if policy.shard_optimizer and policy.keep_full_params:  # masters published after the step
         buffers["allgather_bucket"] = min(allgather_bucket_size, total) * gather_size
-    if stage == 3:
+    if not policy.keep_full_params:
         resident = sum(n for n in units if n < persistence_threshold)
         buffers["resident_units"] = resident * gather_size
         buffers["gathered_units"] = min(prefetch_bucket_size + largest_unit, total - resident) * gather_size

@@ -19,7 +19,14 @@ The vocabulary used everywhere in zeroshard (DESIGN section 2):
 Exactly one mode is chosen by the config: "fp32", "bf16", "fp16" or "torch_autocast". In
 torch_autocast mode there are two parameter groups: parameters owned by the
 ``lower_precision_safe_modules`` (reduced and gathered in the autocast dtype) and the rest
-(reduced and gathered in fp32). Other modes have one group, "all".
+(reduced and gathered in fp32). Other modes have one group, "all". ``bf16`` together with
+``torch_autocast`` (dtype bf16) is bf16 mode with autocast's op policy for the compute
+(DeepSpeed accepts it): bf16 parameters, the precision-sensitive ops in fp32.
+
+Lossy choices a user may make to save memory or bandwidth are allowed and listed in
+``PrecisionPlan.lossy`` (``explain`` marks them, ``resolve_config`` warns once): accumulating
+in a dtype narrower than the gradient's, and communicating in one narrower than the
+accumulation's.
 
 This module is pure: it needs no process group, and the plan is the same on every rank.
 """
@@ -51,14 +58,6 @@ __all__ = [
 
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
-# A dtype's "width" for the rule "never accumulate below the gradient's precision": bf16 and
-# fp16 are not ordered against each other (range vs mantissa), so each may only widen to fp32.
-_ALLOWED_ACCUM = {
-    "fp32": ("fp32",),
-    "bf16": ("fp32", "bf16"),
-    "fp16": ("fp32", "fp16"),
-    "torch_autocast": ("fp32",),
-}
 # torch.amp.GradScaler's defaults, used for torch_autocast with fp16.
 _GRAD_SCALER_INIT = 2.0**16
 _GRAD_SCALER_GROWTH_INTERVAL = 2000
@@ -140,6 +139,11 @@ class PrecisionPlan:
         loss_scale: loss-scaling settings.
         check_grad_overflow: whether a step with a non-finite gradient is skipped.
         notes: deliberate choices worth telling the user (printed by explain).
+        lossy: the lossy choices the config makes (narrower accumulation or wire dtype), one
+            sentence each naming the key (explain marks them; initialize warns once).
+        buffer_dtype: the dtype floating buffers are cast to (``data_types.buffer_dtype``);
+            None keeps each buffer's own dtype, in every mode (a rotary ``inv_freq`` stays fp32
+            in bf16 training).
     """
 
     mode: str
@@ -149,6 +153,8 @@ class PrecisionPlan:
     loss_scale: LossScaleSettings
     check_grad_overflow: bool
     notes: list[str] = field(default_factory=list)
+    lossy: list[str] = field(default_factory=list)
+    buffer_dtype: torch.dtype | None = None
 
     def group_for_module(self, module: nn.Module) -> RolePlan:
         """The group of the parameters that ``module`` owns directly."""
@@ -175,6 +181,8 @@ class PrecisionPlan:
             },
             "check_grad_overflow": self.check_grad_overflow,
             "notes": list(self.notes),
+            "lossy": list(self.lossy),
+            "buffers": dtype_name(self.buffer_dtype) if self.buffer_dtype else "own dtype",
         }
 
 
@@ -209,13 +217,20 @@ def _mode(config: ZeroshardConfig, problems: list[str]) -> str:
     fp16, bf16, autocast = config.fp16.enabled, config.bf16.enabled, config.torch_autocast.enabled
     if fp16 and bf16:
         problems.append("bf16.enabled and fp16.enabled are both true: pick one precision.")
-    if autocast and (fp16 or bf16):
-        which = "fp16.enabled" if fp16 else "bf16.enabled"
+    if autocast and fp16:
         problems.append(
-            f"torch_autocast.enabled and {which} are both true: torch_autocast keeps fp32 parameters "
-            f"and casts per op, {which.split('.')[0]} makes the parameters low precision. Pick one: "
-            f"set {which} to false, or torch_autocast.enabled to false."
+            "torch_autocast.enabled and fp16.enabled are both true: torch_autocast keeps fp32 parameters "
+            "and casts per op, fp16 makes the parameters fp16 with loss scaling. Pick one: set "
+            "fp16.enabled to false, or torch_autocast.enabled to false."
         )
+    if autocast and bf16 and not fp16:
+        if canonical_dtype_name(config.torch_autocast.dtype) != "bf16":
+            problems.append(
+                f'torch_autocast.dtype="{config.torch_autocast.dtype}": with bf16.enabled the parameters are '
+                "bf16, so autocast can only compute in bf16. Set torch_autocast.dtype to \"bfloat16\", or "
+                "disable one of the two sections."
+            )
+        return "bf16"  # bf16 parameters, autocast's op policy for the compute
     if autocast:
         return "torch_autocast"
     if fp16:
@@ -225,21 +240,13 @@ def _mode(config: ZeroshardConfig, problems: list[str]) -> str:
     return "fp32"
 
 
-def _check_accumulation(config: ZeroshardConfig, mode: str, grad: str, problems: list[str]) -> None:
-    requested = config.data_types.grad_accum_dtype
-    if requested is None:
-        return
-    accum = canonical_dtype_name(requested)
-    if accum in _ALLOWED_ACCUM[mode]:
-        return
-    if accum == "fp32":  # unreachable: fp32 is allowed everywhere
-        return
-    allowed = " or ".join(_ALLOWED_ACCUM[mode])
-    problems.append(
-        f'data_types.grad_accum_dtype="{requested}": gradients are {grad} in {mode} mode, and '
-        f"accumulating them in {accum} would lose precision or range at every micro-batch. "
-        f"Use {allowed}, or drop the key."
-    )
+_WIDTH = {"fp32": 32, "bf16": 16, "fp16": 16}
+
+
+def _narrower(a: str, b: str) -> bool:
+    """Whether dtype ``a`` loses values of dtype ``b``: fewer bits, or the other 16-bit kind
+    (bf16 and fp16 trade range for mantissa: neither holds the other)."""
+    return a != b and _WIDTH[a] <= _WIDTH[b]
 
 
 def _check_bf16_options(config: ZeroshardConfig, problems: list[str]) -> None:
@@ -261,28 +268,9 @@ def _check_bf16_options(config: ZeroshardConfig, problems: list[str]) -> None:
         )
 
 
-def _check_communication(config: ZeroshardConfig, mode: str, problems: list[str]) -> str | None:
+def _wire_dtype(config: ZeroshardConfig) -> str | None:
     requested = config.communication_data_type
-    if requested is None:
-        return None
-    wire = canonical_dtype_name(requested)
-    if mode == "torch_autocast":
-        problems.append(
-            f'communication_data_type="{requested}": in torch_autocast mode the reduce dtype is '
-            "torch_autocast.dtype for lower_precision_safe_modules and fp32 for the rest. "
-            "Remove communication_data_type."
-        )
-    elif mode == "fp32" and wire != "fp32":
-        problems.append(
-            f'communication_data_type="{requested}": fp32 training reduces in fp32. Enable bf16 or '
-            "fp16 to communicate in lower precision, or remove the key."
-        )
-    elif mode in ("bf16", "fp16") and wire not in ("fp32", mode):
-        problems.append(
-            f'communication_data_type="{requested}": {mode} gradients can be reduced in fp32 or {mode} '
-            f"only. Use fp32 or {mode}, or remove the key."
-        )
-    return wire
+    return None if requested is None else canonical_dtype_name(requested)
 
 
 def _resolve_safe_classes(config: ZeroshardConfig, problems: list[str]) -> tuple[type, ...]:
@@ -313,12 +301,16 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
     problems: list[str] = []
     mode = _mode(config, problems)
     _check_bf16_options(config, problems)
-    grad_name = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "torch_autocast": "fp32"}[mode]
-    _check_accumulation(config, mode, grad_name, problems)
-    wire = _check_communication(config, mode, problems)
+    wire = _wire_dtype(config)
+    requested_accum = config.data_types.grad_accum_dtype
+    accum_name = None if requested_accum is None else canonical_dtype_name(requested_accum)
 
     autocast_dtype = None
     safe_classes: tuple[type, ...] = ()
+    if mode == "bf16" and config.torch_autocast.enabled:
+        autocast_dtype = torch.bfloat16
+        # One group here (every parameter is bf16), but a bad class name is still an error.
+        _resolve_safe_classes(config, problems)
     if mode == "torch_autocast":
         autocast_name = canonical_dtype_name(config.torch_autocast.dtype)
         if autocast_name == "fp32":
@@ -335,13 +327,14 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
     notes: list[str] = []
     fp32 = torch.float32
     if mode == "fp32":
-        groups = {GROUP_ALL: RolePlan(GROUP_ALL, fp32, "fp32", fp32, fp32, fp32, fp32, fp32, fp32, True)}
+        accum = _torch_dtype(accum_name) if accum_name else fp32
+        reduce = _TORCH_DTYPES[wire] if wire is not None else accum
+        groups = {GROUP_ALL: RolePlan(GROUP_ALL, fp32, "fp32", fp32, accum, reduce, fp32, fp32, fp32, True)}
         loss_scale = LossScaleSettings(kind="none")
         check_overflow = False
     elif mode in ("bf16", "fp16"):
         low = _TORCH_DTYPES[mode]
         low_masters = mode == "bf16" and config.bf16.bf16_master_weights_and_grads
-        requested_accum = config.data_types.grad_accum_dtype
         if requested_accum is not None:
             accum = _torch_dtype(requested_accum)
         elif low_masters:
@@ -360,7 +353,8 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
         reduce = _TORCH_DTYPES[wire] if wire is not None else accum
         master = low if low_masters else fp32
         state = low if (mode == "bf16" and config.bf16.bf16_optimizer_states) else fp32
-        groups = {GROUP_ALL: RolePlan(GROUP_ALL, low, mode, low, accum, reduce, low, master, state, False)}
+        compute = f"autocast({mode})" if autocast_dtype is not None else mode
+        groups = {GROUP_ALL: RolePlan(GROUP_ALL, low, compute, low, accum, reduce, low, master, state, False)}
         if mode == "fp16":
             fp16 = config.fp16
             if fp16.loss_scale > 0:
@@ -383,11 +377,16 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
         assert autocast_dtype is not None
         low_name = dtype_name(autocast_dtype)
         compute = f"autocast({low_name})"
+        accum = _torch_dtype(accum_name) if accum_name else fp32
+        # The safe group is reduced in the autocast dtype, the rest in the accumulation dtype,
+        # unless communication_data_type names the wire dtype for both.
+        safe_wire = _TORCH_DTYPES[wire] if wire is not None else autocast_dtype
+        other_wire = _TORCH_DTYPES[wire] if wire is not None else accum
         groups = {
             GROUP_SAFE: RolePlan(
-                GROUP_SAFE, fp32, compute, fp32, fp32, autocast_dtype, autocast_dtype, fp32, fp32, True
+                GROUP_SAFE, fp32, compute, fp32, accum, safe_wire, autocast_dtype, fp32, fp32, True
             ),
-            GROUP_OTHER: RolePlan(GROUP_OTHER, fp32, compute, fp32, fp32, fp32, fp32, fp32, fp32, True),
+            GROUP_OTHER: RolePlan(GROUP_OTHER, fp32, compute, fp32, accum, other_wire, fp32, fp32, fp32, True),
         }
         if autocast_dtype == torch.float16:
             loss_scale = LossScaleSettings(
@@ -411,7 +410,33 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
         loss_scale=loss_scale,
         check_grad_overflow=check_overflow,
         notes=notes,
+        lossy=_lossy_choices(config, groups),
+        buffer_dtype=_torch_dtype(config.data_types.buffer_dtype) if config.data_types.buffer_dtype else None,
     )
+
+
+def _lossy_choices(config: ZeroshardConfig, groups: dict[str, RolePlan]) -> list[str]:
+    """One sentence per lossy choice the user made (the defaults are never lossy)."""
+    lossy: list[str] = []
+    requested_accum = config.data_types.grad_accum_dtype
+    for role in groups.values():
+        grad, accum = dtype_name(role.grad_dtype), dtype_name(role.grad_accum_dtype)
+        if requested_accum is not None and _narrower(accum, grad):
+            sentence = (
+                f'data_types.grad_accum_dtype="{requested_accum}": {grad} gradients are accumulated in {accum}, '
+                "which rounds them at every micro-batch (lossy; fp32 accumulation is exact)."
+            )
+            if sentence not in lossy:
+                lossy.append(sentence)
+        wire = dtype_name(role.reduce_dtype)
+        if config.communication_data_type is not None and _narrower(wire, accum):
+            sentence = (
+                f'communication_data_type="{config.communication_data_type}": gradients accumulated in {accum} '
+                f"are reduced in {wire}, rounded once per reduction (lossy; saves bandwidth)."
+            )
+            if sentence not in lossy:
+                lossy.append(sentence)
+    return lossy
 
 
 def assign_param_groups(plan: PrecisionPlan, model: nn.Module) -> dict[str, str]:

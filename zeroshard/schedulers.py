@@ -20,7 +20,9 @@ points where that behaviour is easy to get wrong:
   optimizer's lr (the optimizer's own state dict restores it), exactly as DeepSpeed.
 
 Where DeepSpeed warns and carries on, zeroshard refuses: an unknown `warmup_type` (DeepSpeed
-silently uses "log") is a ValueError.
+silently uses "log") is a ValueError, and so is a `total_num_steps` that is not positive.
+`OneCycle` is DeepSpeed's 1Cycle schedule (see its docstring). Every parameter's rule is in
+`_RULES`, the one place both the config validation and the constructors check it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
+__all__ = ["OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "accepted_params", "build_scheduler",
+           "param_problems"]
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -64,14 +67,83 @@ def _check_warmup_type(value: Any) -> str:
 
 
 def _check_number(key: str, value: Any) -> float:
-    if not _is_number(value):
+    if not _is_number(value) or not math.isfinite(value):
         raise _ParamError(key, value, "must be a number.")
     return value
 
 
 def _check_total_num_steps(value: Any) -> int | float:
+    if not _is_number(value) or not value > 0:
+        raise _ParamError("total_num_steps", value, "must be a positive number of optimizer steps.")
+    return value
+
+
+def _check_last_batch_iteration(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise _ParamError("last_batch_iteration", value, "must be an integer >= -1 (-1 for a fresh start).")
+    return value
+
+
+def _check_number_or_list(key: str, value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if not _is_number(item):
+                raise _ParamError(key, value, "must be a number or a list of numbers (one per param group).")
+        return value
+    return _check_number(key, value)
+
+
+def _check_positive(key: str, value: Any) -> float:
+    if not _is_number(value) or not value > 0:
+        raise _ParamError(key, value, "must be a positive number of steps.")
+    return value
+
+
+def _check_count(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _ParamError(key, value, "must be an integer >= 0 (0 turns the staircase off).")
+    return value
+
+
+def _check_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _ParamError(key, value, "must be true or false.")
+    return value
+
+
+def _optional(check):
+    return lambda key, value: None if value is None else check(key, value)
+
+
+# The rule of every parameter of every schedule: the one place they are checked, by the config
+# validation (zeroshard.config) and by the constructors alike.
+_RULES: dict[str, Any] = {
+    "warmup_min_lr": _check_number_or_list,
+    "warmup_max_lr": _optional(_check_number_or_list),
+    "warmup_num_steps": lambda key, value: _check_warmup_num_steps(value),
+    "warmup_type": lambda key, value: _check_warmup_type(value),
+    "last_batch_iteration": lambda key, value: _check_last_batch_iteration(value),
+    "total_num_steps": lambda key, value: _check_total_num_steps(value),
+    "warmup_min_ratio": _check_number,
+    "cos_min_ratio": _check_number,
+    "cycle_min_lr": _check_number,
+    "cycle_max_lr": _check_number,
+    "decay_lr_rate": _check_number,
+    "cycle_first_step_size": _check_positive,
+    "cycle_second_step_size": _optional(_check_positive),
+    "cycle_first_stair_count": _check_count,
+    "cycle_second_stair_count": _optional(_check_count),
+    "decay_step_size": lambda key, value: _check_decay_step_size(value),
+    "cycle_momentum": _check_bool,
+    "cycle_min_mom": _check_number,
+    "cycle_max_mom": _check_number,
+    "decay_mom_rate": _check_number,
+}
+
+
+def _check_decay_step_size(value: Any) -> float:
     if not _is_number(value) or value < 0:
-        raise _ParamError("total_num_steps", value, "must be a non-negative number of optimizer steps.")
+        raise _ParamError("decay_step_size", value, "must be a number >= 0 (0 turns the decay off).")
     return value
 
 
@@ -301,10 +373,115 @@ def _warn_if_total_below_warmup(total_num_steps: float, warmup_num_steps: int) -
         )
 
 
+class OneCycle(_Schedule):
+    """DeepSpeed's 1Cycle: lr up from `cycle_min_lr` to `cycle_max_lr` and back, then a decay.
+
+    The cycle has `cycle_first_step_size` rising steps and `cycle_second_step_size` falling
+    ones (default: as many as rising). With a stair count n > 0 a half cycle moves in n flat
+    stairs instead of every step. After the cycle the lr is `cycle_min_lr / (1 + decay_lr_rate *
+    k / decay_step_size)` k steps in (no decay when either is 0). With `cycle_momentum` (and an
+    optimizer with `betas`, as Adam's) beta1 moves the other way, from `cycle_max_mom` down to
+    `cycle_min_mom` and back, then grows by `(1 + decay_mom_rate * k / decay_step_size)`; beta2
+    is set to 0.99, as DeepSpeed does. Without `betas` momentum is not cycled (a warning says so).
+
+    Args: DeepSpeed's, with its defaults; `last_batch_iteration` as WarmupLR's.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        cycle_min_lr: float,
+        cycle_max_lr: float,
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float = 0.8,
+        cycle_max_mom: float = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, _check_last_batch_iteration(last_batch_iteration))
+        # Every argument by its rule in _RULES (the one the config validation applies too).
+        for key, value in list(locals().items()):
+            if key in _RULES:
+                _RULES[key](key, value)
+        self.min_lr, self.max_lr = cycle_min_lr, cycle_max_lr
+        self.first_size = float(cycle_first_step_size)
+        self.second_size = float(cycle_first_step_size if cycle_second_step_size is None else cycle_second_step_size)
+        self.total_size = self.first_size + self.second_size
+        self.first_stairs = cycle_first_stair_count
+        self.second_stairs = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        self.decay_step_size = decay_step_size
+        self.decay_lr_rate, self.decay_mom_rate = decay_lr_rate, decay_mom_rate
+        self.min_mom, self.max_mom = cycle_min_mom, cycle_max_mom
+        defaults = getattr(optimizer, "defaults", {})
+        self.cycle_momentum = cycle_momentum and "betas" in defaults
+        if cycle_momentum and not self.cycle_momentum:
+            warnings.warn(
+                f"OneCycle: cycle_momentum is off because {type(optimizer).__name__} has no 'betas' "
+                "(as in DeepSpeed); set scheduler.params.cycle_momentum=false to silence this.",
+                stacklevel=2,
+            )
+        if self.last_batch_iteration == -1:
+            self._last_lr = _write_lrs(self.param_groups, [self.min_lr] * len(self.param_groups))
+            if self.cycle_momentum:
+                for group in self.param_groups:
+                    group["betas"] = (self.min_mom, 0.99)
+
+    def _fraction(self) -> float:
+        """How far up the cycle the next iteration is: 0 at the bottom, 1 at the peak."""
+        iteration = self.last_batch_iteration + 1
+        position = iteration % self.total_size  # steps into the current cycle
+        rising = position <= self.first_size
+        stairs = self.first_stairs if rising else self.second_stairs
+        if rising:
+            steps, size = position, self.first_size
+        else:
+            steps, size = self.total_size - position, self.second_size
+        if stairs > 0:
+            return math.floor(steps * stairs / size) / stairs
+        return steps / size
+
+    def _decay_divisor(self, rate: float) -> float:
+        steps_after_cycle = self.last_batch_iteration - self.total_size + 1
+        if self.decay_step_size == 0 or rate == 0:
+            return 1.0
+        return 1.0 + rate * steps_after_cycle / self.decay_step_size
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            lr = self.min_lr + (self.max_lr - self.min_lr) * self._fraction()
+        else:
+            lr = self.min_lr / self._decay_divisor(self.decay_lr_rate)
+        return [lr] * len(self.param_groups)
+
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """Each group's betas at `last_batch_iteration`; None when momentum is not cycled."""
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < self.total_size:
+            beta1 = self.max_mom - (self.max_mom - self.min_mom) * self._fraction()
+        else:
+            beta1 = self.max_mom * self._decay_divisor(self.decay_mom_rate)
+        return [(beta1, 0.99)] * len(self.param_groups)
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        super().step(last_batch_iteration)
+        momenta = self.get_mom()
+        if momenta is not None:
+            for group, betas in zip(self.param_groups, momenta, strict=True):
+                group["betas"] = betas
+
+
 SCHEDULERS: dict[str, type[_Schedule]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
+    "OneCycle": OneCycle,
 }
 
 
@@ -321,7 +498,38 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
-def build_scheduler(config: Any, optimizer: Any) -> WarmupLR | WarmupDecayLR | WarmupCosineLR:
+def accepted_params(name: str) -> dict[str, inspect.Parameter]:
+    """The parameters schedule `name` takes (its constructor's, less the optimizer)."""
+    return _accepted_params(SCHEDULERS[name])
+
+
+def param_problems(name: str, params: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
+    """Every problem of a schedule's parameters, checked without an optimizer.
+
+    Returns:
+        ``(kind, key, value, rule)`` tuples, kind "unknown", "missing" or "value"; the
+        config validation and `build_scheduler` each render them in their own words.
+    """
+    accepted = accepted_params(name)
+    problems: list[tuple[str, str, Any, str]] = []
+    for key, value in params.items():
+        if key not in accepted:
+            problems.append(("unknown", key, value, _did_you_mean(key, list(accepted))))
+            continue
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            problems.append(("value", key, value, "zeroshard does not fill in 'auto' values; write the number."))
+            continue
+        try:
+            _RULES[key](key, value)
+        except _ParamError as error:
+            problems.append(("value", key, value, error.rule))
+    for key, param in accepted.items():
+        if param.default is inspect.Parameter.empty and key not in params:
+            problems.append(("missing", key, None, f"required by {name}; add it."))
+    return problems
+
+
+def build_scheduler(config: Any, optimizer: Any) -> _Schedule:
     """Build the schedule a config's `scheduler` section names.
 
     Args:
@@ -341,23 +549,17 @@ def build_scheduler(config: Any, optimizer: Any) -> WarmupLR | WarmupDecayLR | W
             f" Supported: {supported}."
         )
     params = dict(config.params or {})
-    accepted = _accepted_params(cls)
+    accepted = ", ".join(accepted_params(name))
     problems = []
-    for key in params:
-        if key not in accepted:
-            problems.append(
-                f"scheduler.params.{key}: unknown parameter for {name}.{_did_you_mean(key, list(accepted))}"
-                f" {name} takes: {', '.join(accepted)}."
-            )
-        elif params[key] == "auto":
-            problems.append(
-                f"scheduler.params.{key}='auto': zeroshard does not fill in 'auto' values; write the number."
-            )
-    for key, param in accepted.items():
-        if param.default is inspect.Parameter.empty and key not in params:
-            problems.append(f"scheduler.params.{key}: required by {name}; add it.")
+    for kind, key, value, rule in param_problems(name, params):
+        if kind == "unknown":
+            problems.append(f"scheduler.params.{key}: unknown parameter for {name}.{rule} {name} takes: {accepted}.")
+        elif kind == "missing":
+            problems.append(f"scheduler.params.{key}: {rule}")
+        else:
+            problems.append(f"scheduler.params.{key}={value!r}: {rule}")
     if problems:
-        raise ValueError("invalid scheduler config:\n  " + "\n  ".join(problems))
+        raise ValueError(problems[0] if len(problems) == 1 else "invalid scheduler config:\n  " + "\n  ".join(problems))
     try:
         return cls(optimizer, **params)
     except _ParamError as error:

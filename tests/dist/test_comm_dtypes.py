@@ -51,7 +51,14 @@ COMM_MODES = (
     "fp16",
     "fp16_accum_fp16",
     "autocast_bf16",
+    # Combinations DeepSpeed accepts (reference.LOSSY_MODES): the wire carries what they ask for.
+    "fp32_accum_bf16",
+    "fp32_comm_bf16",
+    "fp32_comm_fp16",
+    "bf16_autocast",
+    "autocast_comm_bf16",
 )
+TWO_GROUP_MODES = ("autocast_bf16", "autocast_comm_bf16")  # torch_autocast: safe and other groups
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size
 SMALL_BUCKET = 500  # reduce and all-gather buckets smaller than the model (1244 elements)
@@ -66,6 +73,12 @@ REDUCE = {
     ("fp16_accum_fp16", "all"): "float16",
     ("autocast_bf16", "safe"): "bfloat16",  # lower_precision_safe_modules: the Linears
     ("autocast_bf16", "other"): "float32",
+    ("fp32_accum_bf16", "all"): "bfloat16",  # reduced in the (narrower) accumulation dtype
+    ("fp32_comm_bf16", "all"): "bfloat16",
+    ("fp32_comm_fp16", "all"): "float16",
+    ("bf16_autocast", "all"): "float32",  # bf16 parameters, fp32 accumulation by default
+    ("autocast_comm_bf16", "safe"): "bfloat16",
+    ("autocast_comm_bf16", "other"): "bfloat16",  # communication_data_type applies to every group
 }
 PARAM = {
     "fp32": "float32",
@@ -75,17 +88,22 @@ PARAM = {
     "fp16": "float16",
     "fp16_accum_fp16": "float16",
     "autocast_bf16": "float32",
+    "fp32_accum_bf16": "float32",
+    "fp32_comm_bf16": "float32",
+    "fp32_comm_fp16": "float32",
+    "bf16_autocast": "bfloat16",
+    "autocast_comm_bf16": "float32",
 }
 
 
 def gather_dtype(mode: str, group: str) -> str:
     """Stage-3 gather dtype: the parameter dtype, or the autocast dtype for safe modules."""
-    return "bfloat16" if (mode, group) == ("autocast_bf16", "safe") else PARAM[mode]
+    return "bfloat16" if mode in TWO_GROUP_MODES and group == "safe" else PARAM[mode]
 
 
 def flats(mode: str) -> list[tuple[str, int]]:
     """(precision group, element count) of every flat buffer of the test model."""
-    if mode != "autocast_bf16":
+    if mode not in TWO_GROUP_MODES:
         return [("all", ROOT_UNIT_NUMEL)] + [("all", BLOCK_NUMEL)] * N_BLOCKS
     root = [("safe", ROOT_LINEAR_NUMEL), ("other", ROOT_UNIT_NUMEL - ROOT_LINEAR_NUMEL)]
     block = [("safe", BLOCK_LINEAR_NUMEL), ("other", BLOCK_NUMEL - BLOCK_LINEAR_NUMEL)]

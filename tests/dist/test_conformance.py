@@ -3,7 +3,7 @@
 DESIGN section 5: reference equivalence, stage equivalence, replica consistency,
 accumulation-split invariance, the accumulation dtype, and the DeepSpeed regressions.
 
-The matrix (stages 0-3 x five precision modes x gradient_accumulation_steps 1 and 4) runs
+The matrix (stages 0-3 x twelve precision modes x gradient_accumulation_steps 1 and 4) runs
 once per world size, in one task on a pooled process group, and several tests read it.
 World size 3 pads every flat buffer (the units have 332 and 304 elements).
 Tolerances, and why they are what they are: tests/dist/reference.py, `TOLERANCES`.
@@ -46,6 +46,13 @@ PARAM_DTYPE = {
     "bf16_accum_bf16": torch.bfloat16,
     "fp16": torch.float16,
     "autocast_bf16": torch.float32,
+    "bf16_autocast": torch.bfloat16,
+    "fp32_accum_bf16": torch.float32,
+    "fp32_comm_bf16": torch.float32,
+    "fp32_comm_fp16": torch.float32,
+    "bf16_accum_fp16": torch.bfloat16,
+    "fp16_accum_bf16": torch.float16,
+    "autocast_comm_bf16": torch.float32,
 }
 
 

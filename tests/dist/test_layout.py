@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from tests.dist.reference import check_against_reference, flat_cat, reference_for, world_losses
-from tests.dist.scenarios.layout import bad_shard_group_size, checkpoint_fragments, hybrid_case, train_cases
+from tests.dist.scenarios.layout import (
+    bad_shard_group_size,
+    checkpoint_fragments,
+    hybrid_case,
+    hybrid_resume,
+    train_cases,
+)
 
 STAGES = (0, 1, 2, 3)
 GRAD_ACCUM = (1, 2)
@@ -125,3 +131,15 @@ def test_shard_group_size_must_divide_the_world(dist_pool) -> None:
     messages = dist_pool(4).run(bad_shard_group_size, timeout=TIMEOUT_S)
     for message in messages:
         assert message.startswith("zeroshard.shard_group_size=3: must divide the world size 4."), message
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hybrid_resume_is_bitexact_and_loads_unsplit(dist_pool, stage: int) -> None:
+    """Resume on the same hybrid layout continues bit for bit; the checkpoint also loads into a
+    plain world-4 layout with the saved masters exactly."""
+    for result in dist_pool(4).run(hybrid_resume, hybrid_case(stage), timeout=TIMEOUT_S):
+        assert result["plain_replicas"] == 1
+        for name, value in result["saved"].items():
+            assert torch.equal(result["loaded"][name], value), f"stage {stage}: {name} after load"
+            assert torch.equal(result["plain_loaded"][name], value), f"stage {stage}: {name} loaded unsplit"
+            assert torch.equal(result["continued"][name], result["expected"][name]), f"stage {stage}: {name} resumed"

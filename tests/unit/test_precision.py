@@ -165,18 +165,10 @@ def test_group_assignment_outside_autocast_is_one_group():
     [
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
          r"^bf16\.enabled and fp16\.enabled are both true: pick one precision\.$"),
-        ({"torch_autocast": {"enabled": True}, "bf16": {"enabled": True}},
-         r"^torch_autocast\.enabled and bf16\.enabled are both true: .* Pick one: set bf16\.enabled to false"),
+        ({"torch_autocast": {"enabled": True, "dtype": "float16"}, "bf16": {"enabled": True}},
+         r'^torch_autocast\.dtype="float16": with bf16\.enabled the parameters are bf16'),
         ({"torch_autocast": {"enabled": True}, "fp16": {"enabled": True}},
          r"^torch_autocast\.enabled and fp16\.enabled are both true"),
-        ({"data_types": {"grad_accum_dtype": "bf16"}},
-         r'^data_types\.grad_accum_dtype="bf16": gradients are fp32 in fp32 mode, .* Use fp32, or drop the key\.$'),
-        ({"torch_autocast": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
-         r'^data_types\.grad_accum_dtype="fp16": gradients are fp32 in torch_autocast mode'),
-        ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
-         r'^data_types\.grad_accum_dtype="fp16": gradients are bf16 in bf16 mode.* Use fp32 or bf16'),
-        ({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
-         r'^data_types\.grad_accum_dtype="bf16": gradients are fp16 in fp16 mode.* Use fp32 or fp16'),
         ({"torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.nn.Lineer"]}},
          r'^torch_autocast\.lower_precision_safe_modules="torch\.nn\.Lineer": does not import'),
         ({"torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["no_such_pkg.Layer"]}},
@@ -193,11 +185,6 @@ def test_group_assignment_outside_autocast_is_one_group():
          r"^bf16\.bf16_optimizer_states=true: applies only with bf16\.enabled=true"),
         ({"bf16": {"enabled": True, "bf16_optimizer_states": True}},
          r"^bf16\.bf16_optimizer_states=true: needs bf16\.bf16_master_weights_and_grads=true"),
-        ({"communication_data_type": "bf16"}, r'^communication_data_type="bf16": fp32 training reduces in fp32'),
-        ({"bf16": {"enabled": True}, "communication_data_type": "fp16"},
-         r'^communication_data_type="fp16": bf16 gradients can be reduced in fp32 or bf16 only'),
-        ({"torch_autocast": {"enabled": True}, "communication_data_type": "bf16"},
-         r'^communication_data_type="bf16": in torch_autocast mode the reduce dtype is'),
     ],
 )
 def test_precision_rules(raw, pattern):
@@ -225,3 +212,92 @@ def test_plan_as_dict_is_json_ready():
 
     text = json.dumps(plan_for({"torch_autocast": {"enabled": True}}).as_dict())
     assert '"reduce": "bf16"' in text and '"master": "the params"' in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Combinations DeepSpeed accepts (issue 19 item 4): bf16 with torch_autocast, and lossy choices
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bf16_with_torch_autocast_is_bf16_params_under_autocast():
+    plan = plan_for({"bf16": {"enabled": True}, "torch_autocast": {"enabled": True}})
+    assert plan.mode == "bf16" and plan.autocast_dtype == BF16
+    assert plan.groups["all"].as_dict() == {
+        "param": "bf16", "compute": "autocast(bf16)", "grad": "bf16", "grad_accum": "fp32", "reduce": "fp32",
+        "gather": "bf16", "master": "fp32", "optimizer_state": "fp32",
+    }
+    assert plan.lossy == []
+
+
+@pytest.mark.parametrize(
+    "raw, group, grad_accum, reduce",
+    [
+        ({"data_types": {"grad_accum_dtype": "bf16"}}, "all", "bf16", "bf16"),
+        ({"data_types": {"grad_accum_dtype": "fp16"}}, "all", "fp16", "fp16"),
+        ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}}, "all", "fp16", "fp16"),
+        ({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}, "all", "bf16", "bf16"),
+        ({"torch_autocast": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}, "other", "bf16", "bf16"),
+    ],
+)
+def test_accumulation_narrower_than_the_gradient_is_lossy(raw, group, grad_accum, reduce):
+    plan = plan_for(raw)
+    role = plan.groups[group].as_dict()
+    assert (role["grad_accum"], role["reduce"]) == (grad_accum, reduce)
+    assert len(plan.lossy) == 1
+    assert plan.lossy[0].startswith(f'data_types.grad_accum_dtype="{raw["data_types"]["grad_accum_dtype"]}": ')
+    assert "(lossy;" in plan.lossy[0]
+
+
+@pytest.mark.parametrize(
+    "raw, reduce",
+    [
+        ({"communication_data_type": "bf16"}, {"all": "bf16"}),
+        ({"communication_data_type": "fp16"}, {"all": "fp16"}),
+        ({"bf16": {"enabled": True}, "communication_data_type": "bf16"}, {"all": "bf16"}),
+        ({"bf16": {"enabled": True}, "communication_data_type": "fp16"}, {"all": "fp16"}),
+        ({"fp16": {"enabled": True}, "communication_data_type": "bf16"}, {"all": "bf16"}),
+        ({"torch_autocast": {"enabled": True}, "communication_data_type": "bf16"},
+         {"lower_precision_safe": "bf16", "other": "bf16"}),
+        ({"torch_autocast": {"enabled": True, "dtype": "float16"}, "communication_data_type": "fp16"},
+         {"lower_precision_safe": "fp16", "other": "fp16"}),
+    ],
+)
+def test_communication_narrower_than_the_accumulation_is_lossy_in_every_mode(raw, reduce):
+    plan = plan_for(raw)
+    assert {name: role.as_dict()["reduce"] for name, role in plan.groups.items()} == reduce
+    wire = raw["communication_data_type"]
+    assert len(plan.lossy) == 1 and plan.lossy[0].startswith(f'communication_data_type="{wire}"')
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [{}, {"bf16": {"enabled": True}}, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
+     {"communication_data_type": "fp32"}, {"torch_autocast": {"enabled": True}},
+     {"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}}],
+)
+def test_defaults_and_widening_choices_are_not_lossy(raw):
+    assert plan_for(raw).lossy == []
+
+
+def test_lossy_choices_are_warned_once_and_marked_by_explain(tmp_path, capsys, monkeypatch):
+    import json
+
+    import zeroshard.resolve as resolve_module
+    from zeroshard.cli import main
+    from zeroshard.resolve import resolve_config
+
+    monkeypatch.setattr(resolve_module, "_warned_lossy", set())
+    raw = {"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "fp16"}
+    with pytest.warns(UserWarning, match="lossy precision choices") as caught:
+        resolve_config(raw)
+    assert len(caught) == 1
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_config(raw)  # once per process
+    path = tmp_path / "lossy.json"
+    path.write_text(json.dumps(raw))
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("LOSSY: ") == 2 and 'data_types.grad_accum_dtype="bf16"' in out

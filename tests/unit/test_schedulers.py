@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zeroshard.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from zeroshard.schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 REL = 1e-12  # a few ulps: the reciprocal-then-product order of the log warmup
 
@@ -217,7 +217,7 @@ def test_build_scheduler_unknown_type_lists_supported() -> None:
     message = str(info.value)
     assert message.startswith("scheduler.type='WarmupLr': not a supported scheduler.")
     assert "Did you mean 'WarmupLR'?" in message
-    assert "Supported: WarmupLR, WarmupDecayLR, WarmupCosineLR." in message
+    assert "Supported: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle." in message
 
 
 def test_build_scheduler_reports_every_bad_param() -> None:
@@ -268,3 +268,127 @@ def test_load_state_dict_reports_the_restored_iterations_lr():
     resumed = make()
     resumed.load_state_dict(trained.state_dict())
     assert resumed.get_last_lr() == trained.get_last_lr()
+
+
+# ---------------------------------------------------------------------------------- OneCycle
+def adam(lr: float = 0.5) -> torch.optim.Adam:
+    return torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+def one_cycle_formula(t, lo, hi, first, second, stairs1=0, stairs2=None, decay_rate=0.0, decay_step=0,
+                      mom_lo=0.8, mom_hi=0.9, mom_rate=0.0):
+    """DeepSpeed's 1Cycle written out: (lr, beta1) at iteration t (t = -1 at construction)."""
+    stairs2 = stairs1 if stairs2 is None else stairs2
+    if t == -1:
+        return lo, mom_lo
+    total = first + second
+    if t < total:
+        pos = (t + 1) % total
+        if pos <= first:
+            frac = math.floor(pos * stairs1 / first) / stairs1 if stairs1 else pos / first
+        else:
+            frac = math.floor((total - pos) * stairs2 / second) / stairs2 if stairs2 else (total - pos) / second
+        return lo + (hi - lo) * frac, mom_hi - (mom_hi - mom_lo) * frac
+    k = t - total + 1
+    lr_div = 1 + decay_rate * k / decay_step if decay_step and decay_rate else 1.0
+    mom_mul = 1 + mom_rate * k / decay_step if decay_step and mom_rate else 1.0
+    return lo / lr_div, mom_hi * mom_mul
+
+
+def test_one_cycle_by_hand():
+    opt = adam()
+    sched = OneCycle(opt, cycle_min_lr=0.1, cycle_max_lr=0.6, cycle_first_step_size=2, cycle_second_step_size=3,
+                     decay_lr_rate=0.5, decay_step_size=2)
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["betas"] == (0.8, 0.99)
+    # up in 2 steps, down in 3, then lr = 0.1 / (1 + 0.5 * k / 2) k steps after the cycle
+    expected = [0.35, 0.6, 0.1 + 0.5 * 2 / 3, 0.1 + 0.5 / 3, 0.1, 0.1 / 1.25, 0.1 / 1.5]
+    assert lrs_over(sched, opt, 7) == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(lo=0.01, hi=0.1, first=4, second=4, stairs1=2),
+        dict(lo=0.01, hi=0.1, first=3, second=5, stairs1=3, stairs2=2),
+        dict(lo=0.001, hi=0.01, first=5, second=None, decay_rate=0.3, decay_step=3, mom_rate=0.01),
+        dict(lo=0.02, hi=0.05, first=7, second=2, mom_lo=0.85, mom_hi=0.95),
+    ],
+)
+def test_one_cycle_matches_the_formula(kwargs):
+    formula_kwargs = dict(kwargs, second=kwargs["second"] or kwargs["first"])
+    opt = adam()
+    sched = OneCycle(
+        opt, cycle_min_lr=kwargs["lo"], cycle_max_lr=kwargs["hi"], cycle_first_step_size=kwargs["first"],
+        cycle_second_step_size=kwargs["second"], cycle_first_stair_count=kwargs.get("stairs1", 0),
+        cycle_second_stair_count=kwargs.get("stairs2"), decay_lr_rate=kwargs.get("decay_rate", 0.0),
+        decay_step_size=kwargs.get("decay_step", 0), cycle_min_mom=kwargs.get("mom_lo", 0.8),
+        cycle_max_mom=kwargs.get("mom_hi", 0.9), decay_mom_rate=kwargs.get("mom_rate", 0.0),
+    )
+    for t in range(-1, 25):
+        if t >= 0:
+            sched.step()
+        lr, beta1 = one_cycle_formula(t, **formula_kwargs)
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr, rel=REL), t
+        assert opt.param_groups[0]["betas"][0] == pytest.approx(beta1, rel=REL), t
+        assert opt.param_groups[0]["betas"][1] == 0.99
+
+
+def test_one_cycle_without_betas_leaves_momentum_alone():
+    opt = sgd(0.1)
+    with pytest.warns(UserWarning, match="cycle_momentum is off because SGD has no 'betas'"):
+        sched = OneCycle(opt, cycle_min_lr=0.1, cycle_max_lr=0.2, cycle_first_step_size=2)
+    sched.step()
+    assert "betas" not in opt.param_groups[0] and sched.get_mom() is None
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.15, rel=REL)
+
+
+def test_one_cycle_resumes_from_its_state_dict():
+    def make():
+        return OneCycle(opt := adam(), cycle_min_lr=0.1, cycle_max_lr=0.6, cycle_first_step_size=2), opt
+
+    trained, _ = make()
+    for _ in range(3):
+        trained.step()
+    resumed, opt = make()
+    resumed.load_state_dict(trained.state_dict())
+    resumed.step()
+    trained.step()
+    assert resumed.get_last_lr() == trained.get_last_lr()
+    assert opt.param_groups[0]["betas"] == trained.optimizer.param_groups[0]["betas"]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"cycle_max_lr": 0.1}, r"scheduler\.params\.cycle_min_lr: required by OneCycle"),
+        ({"cycle_min_lr": 0.1, "cycle_max_lr": "0.2"}, r"cycle_max_lr='0\.2': must be a number"),
+        ({"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_first_step_size": 0}, r"cycle_first_step_size=0: must be"),
+        ({"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_first_stair_count": -1}, r"cycle_first_stair_count=-1"),
+        ({"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_momentum": "no"}, r"cycle_momentum='no': must be true"),
+        ({"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_max_mon": 0.9}, r"Did you mean 'cycle_max_mom'\?"),
+    ],
+)
+def test_one_cycle_bad_params(params, message):
+    with pytest.raises(ValueError, match=message):
+        build_scheduler(config("OneCycle", **params), adam())
+
+
+def test_one_cycle_from_the_config_through_the_engine():
+    import zeroshard
+
+    model = torch.nn.Linear(4, 2)
+    engine, optimizer, _, sched = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), dist_init_required=False,
+        config={"optimizer": {"type": "AdamW", "params": {"lr": 1.0}},
+                "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 0.6,
+                                                             "cycle_first_step_size": 2,
+                                                             "cycle_second_step_size": 3}}},
+    )
+    assert isinstance(sched, OneCycle)
+    seen = []
+    for _ in range(5):
+        seen.append((engine.get_lr()[0], optimizer.param_groups[0]["betas"][0]))
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+    expected = [one_cycle_formula(t, 0.1, 0.6, 2, 3) for t in range(-1, 4)]
+    assert seen == [pytest.approx(e, rel=REL) for e in expected]

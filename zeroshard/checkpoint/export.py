@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .format import CheckpointReader, fsync_file, resolve_checkpoint_dir
+from .files import write_via_private_dir
+from .format import CheckpointReader, resolve_checkpoint_dir
 from .save import module_names
 from .sync import agree
 
@@ -56,22 +57,20 @@ def consolidate_fp32(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dic
 
 
 def _write_state_dict(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors for a .safetensors name, torch.save otherwise; atomic (temporary file, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    """safetensors for a .safetensors name, torch.save otherwise; atomic, never through a link."""
     if path.suffix == ".safetensors":
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        write_via_private_dir(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     else:
-        torch.save(state, tmp)
-    fsync_file(tmp)
-    os.replace(tmp, path)
+        write_via_private_dir(path, lambda tmp: torch.save(state, tmp))
 
 
 def write_fp32(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: str | None = None) -> Path:
     """`consolidate_fp32` written to `out_path` (safetensors, or torch.save for other suffixes)."""
-    state = consolidate_fp32(ckpt_dir, tag)
+    tag_dir = resolve_checkpoint_dir(ckpt_dir, tag)  # once: `latest` may change meanwhile
+    state = consolidate_fp32(tag_dir)
     out_path = Path(out_path)
-    _write_state_dict(state, out_path, {"format": "pt", "source": str(resolve_checkpoint_dir(ckpt_dir, tag))})
+    _write_state_dict(state, out_path, {"format": "pt", "source": str(tag_dir)})
     return out_path
 
 

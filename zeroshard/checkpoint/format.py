@@ -7,6 +7,7 @@ A checkpoint is one directory per tag under the save directory:
       latest                       the tag of the last complete checkpoint (one line)
       <tag>/
         index.json                 written by rank 0 last: everything below, described
+        index.sha256               the sha256 of index.json, checked by every load
         rank_00000.safetensors     rank 0's fragments, optimizer state and RNG state
         rank_00001.safetensors     ...one per rank of the saving run
         module_extras.safetensors  rank 0: module buffers and frozen parameters
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -48,24 +50,22 @@ import torch
 from safetensors import safe_open
 
 from ..ranges import overlap
+from .base import CheckpointError, rank_file_name
+from .validate import check_index_geometry, flat_lengths
 
 FORMAT_NAME = "zeroshard-checkpoint"
 FORMAT_VERSION = 1
 
 INDEX_FILE = "index.json"
+# sha256 of index.json, written after it; the index cannot hold its own digest.
+INDEX_DIGEST_FILE = "index.sha256"
 LATEST_FILE = "latest"
 EXTRAS_FILE = "module_extras.safetensors"
 PYTHON_STATE_FILE = "python_state.pt"
 
 MASTER_KIND = "master"
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, corrupt, or not for this model."""
-
-
-def rank_file_name(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
+logger = logging.getLogger("zeroshard")
 
 
 def state_kind(key: str) -> str:
@@ -107,39 +107,6 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file inside `path` durable (a no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old content or the new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 # ----------------------------------------------------------------------- tag folders
 
 
@@ -154,24 +121,39 @@ def old_tag_dir(save_dir: Path, tag: str) -> Path:
 
 
 def validate_tag(tag: str) -> str:
+    """`tag` if it is a plain directory name inside the save directory, else a CheckpointError."""
     tag = str(tag)
-    if not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag or "\\" in tag or "\0" in tag:
-        raise ValueError(
-            f"checkpoint tag {tag!r}: must be a plain directory name (no path separators, not "
-            "starting with '.'), e.g. 'global_step100'."
+    if (
+        not tag
+        or tag.startswith(".")
+        or tag != tag.strip()
+        or any(c in tag for c in "/\\\0")
+        or not tag.isprintable()
+    ):
+        raise CheckpointError(
+            f"checkpoint tag {tag!r}: must be a plain directory name (no path separators, no leading "
+            "'.', no leading or trailing whitespace, no control characters), e.g. 'global_step100'."
         )
     return tag
 
 
 def read_latest(save_dir: Path) -> str | None:
-    """The tag named by `save_dir/latest`, or None when there is no such file."""
+    """The tag named by `save_dir/latest`, or None when there is no such file.
+
+    Raises:
+        CheckpointError: `latest` is empty, not UTF-8, or names no plain tag (an absolute
+            path or '..' would read a checkpoint outside `save_dir`).
+    """
     path = save_dir / LATEST_FILE
     if not path.is_file():
         return None
-    tag = path.read_text().strip()
+    tag = read_utf8(path).strip()
     if not tag:
         raise CheckpointError(f"{path}: empty; it should name the last complete checkpoint tag.")
-    return tag
+    try:
+        return validate_tag(tag)
+    except CheckpointError as error:
+        raise CheckpointError(f"{path}: {error}") from None
 
 
 def find_tag_dir(save_dir: Path, tag: str) -> Path:
@@ -195,7 +177,11 @@ def find_tag_dir(save_dir: Path, tag: str) -> Path:
 
 
 def resolve_checkpoint_dir(ckpt_dir: str | os.PathLike, tag: str | None = None) -> Path:
-    """A tag directory from either a save directory (+ tag, or its `latest`) or a tag directory."""
+    """A tag directory from either a save directory (+ tag, or its `latest`) or a tag directory.
+
+    The tag, given or read from `latest`, must be a plain name (validate_tag): a `latest`
+    holding an absolute path or '..' never makes this read another checkpoint.
+    """
     path = Path(ckpt_dir)
     if tag is None and (path / INDEX_FILE).is_file():
         return path
@@ -206,57 +192,78 @@ def resolve_checkpoint_dir(ckpt_dir: str | os.PathLike, tag: str | None = None) 
                 f"{path}: neither a checkpoint (no {INDEX_FILE}) nor a save directory with a "
                 f"'{LATEST_FILE}' file; pass the tag explicitly."
             )
-    return find_tag_dir(path, tag)
+    return find_tag_dir(path, validate_tag(tag))
 
 
 # ---------------------------------------------------------------------------- index
 
 
-def _check_fragments(name: str, entry: dict[str, Any]) -> None:
-    numel = 1
-    for dim in entry["shape"]:
-        numel *= int(dim)
-    covered = 0
-    for frag in sorted(entry["fragments"], key=lambda f: f["offset"]):
-        if frag["offset"] != covered or frag["numel"] <= 0:
-            raise CheckpointError(
-                f"{INDEX_FILE}: fragments of parameter {name!r} do not tile it (gap or overlap at "
-                f"element {covered}); the index is corrupt."
-            )
-        covered += frag["numel"]
-    if covered != numel:
-        raise CheckpointError(
-            f"{INDEX_FILE}: fragments of parameter {name!r} cover {covered} of {numel} elements; the index is corrupt."
-        )
+def read_utf8(path: Path) -> str:
+    """A text file of the checkpoint; bytes that are not UTF-8 are a CheckpointError naming it."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {error.start}); the file is corrupt.") from None
+
+
+def read_index_digest(tag_dir: Path) -> str | None:
+    """The sha256 `index.sha256` records for index.json, or None when the file is absent."""
+    path = tag_dir / INDEX_DIGEST_FILE
+    if not path.is_file():
+        return None
+    text = read_utf8(path).split()
+    if not text or len(text[0]) != 64 or any(c not in "0123456789abcdef" for c in text[0]):
+        raise CheckpointError(f"{path}: corrupt; it should hold the sha256 of {INDEX_FILE}.")
+    return text[0]
+
+
+def index_digest_text(index_bytes: bytes) -> str:
+    """The content of index.sha256 (the format `sha256sum -c` reads)."""
+    return f"{hashlib.sha256(index_bytes).hexdigest()}  {INDEX_FILE}\n"
 
 
 def load_index(tag_dir: Path) -> dict[str, Any]:
-    """Parse and sanity-check `tag_dir/index.json`.
+    """Parse and check `tag_dir/index.json` against its recorded digest and its own geometry.
 
     Raises:
-        CheckpointError: missing, not JSON, another format or version, or fragments that do
-            not tile their parameters.
+        CheckpointError: missing, digest mismatch, not UTF-8, not JSON, another format or
+            version, or a fragment that cannot be right (validate.check_index_geometry).
     """
     path = tag_dir / INDEX_FILE
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {tag_dir} is not a complete checkpoint.") from None
+    expected = read_index_digest(tag_dir)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(
+            f"{path}: corrupt: its sha256 differs from the one in {tag_dir / INDEX_DIGEST_FILE}."
+        )
     try:
-        index = json.loads(text)
+        index = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {error.start}); the index is corrupt.") from None
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path}: corrupt JSON ({error}).") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply to be a checkpoint index.") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{path}: not a zeroshard checkpoint index.")
     if index.get("version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format version {index.get('version')}, this zeroshard reads version {FORMAT_VERSION}."
         )
-    try:
-        for name, entry in index["params"].items():
-            _check_fragments(name, entry)
-    except (KeyError, TypeError) as error:
-        raise CheckpointError(f"{path}: malformed parameter table ({error!r}).") from None
+    if expected is None:
+        if index.get("index_digest") is not None:
+            raise CheckpointError(
+                f"{tag_dir / INDEX_DIGEST_FILE}: missing; {path} says it was saved with one."
+            )
+        logger.warning(
+            "%s: no %s (a checkpoint saved before zeroshard recorded the index digest); loading it "
+            "without checking the index against accidental corruption.", path, INDEX_DIGEST_FILE
+        )
+    check_index_geometry(index, path)
     return index
 
 
@@ -309,8 +316,38 @@ class CheckpointReader:
                 handle = safe_open(str(path), framework="pt", device="cpu")
             except Exception as error:  # safetensors raises its own error types
                 raise CheckpointError(f"{path}: unreadable safetensors file ({error}).") from None
+            if file_name.startswith("rank_"):
+                self._check_rank_metadata(file_name, path, handle)
+                self._check_tensor_lengths(path, handle)
             self._open[file_name] = handle
         return handle
+
+    def _check_rank_metadata(self, file_name: str, path: Path, handle: Any) -> None:
+        """The file says it was written by the rank its name gives, in a run of this world size
+        (rank files swapped and re-registered in the index would otherwise load shuffled)."""
+        metadata = handle.metadata() or {}
+        expected = {"rank": str(int(file_name[len("rank_") : -len(".safetensors")])),
+                    "world_size": str(self.index["world_size"])}
+        for key, value in expected.items():
+            if metadata.get(key) != value:
+                raise CheckpointError(
+                    f"{path}: field metadata {key} = {metadata.get(key)!r}, expected {value!r} for this file "
+                    f"of {INDEX_FILE}; the file belongs to another rank or checkpoint."
+                )
+
+    def _check_tensor_lengths(self, path: Path, handle: Any) -> None:
+        """Every sharded tensor of a rank file has the length the index gives its flat buffer."""
+        lengths = flat_lengths(self.index, self.tag_dir / INDEX_FILE)
+        for key in handle.keys():
+            kind, _, flat = key.rpartition("/")
+            if flat not in lengths or not (kind == MASTER_KIND or kind.startswith("state.")):
+                continue
+            shape = handle.get_slice(key).get_shape()
+            if list(shape) != [lengths[flat]]:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} has shape {list(shape)}, the index gives {flat} "
+                    f"{lengths[flat]} elements per rank; the file does not belong to this index."
+                )
 
     def _get(self, file_name: str, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         handle = self._handle(file_name)

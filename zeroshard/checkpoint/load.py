@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,19 +26,30 @@ import torch
 
 from ..publish import publish_masters
 from ..ranges import overlap
+from .fields import (
+    check_param_groups,
+    check_scaler_state,
+    check_scheduler_state,
+    parse_counters,
+    parse_sampler,
+    scalar_value,
+)
 from .format import (
+    EXTRAS_FILE,
+    INDEX_FILE,
     MASTER_KIND,
     PYTHON_STATE_FILE,
     CheckpointError,
     CheckpointReader,
     find_tag_dir,
+    rank_file_name,
     read_latest,
     state_kind,
     validate_tag,
 )
-from .rng import RNG_PREFIX, restore_rng_state
+from .rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
 from .save import module_names
-from .sync import agree, all_gather_object
+from .sync import agree, all_gather_object, describe, is_rank_zero
 
 logger = logging.getLogger("zeroshard")
 
@@ -47,6 +59,7 @@ class LoadOptions:
     optimizer_states: bool = True
     lr_scheduler_states: bool = True
     module_only: bool = False
+    allow_pickle: bool = False
 
 
 @dataclass
@@ -64,7 +77,7 @@ class _Loaded:
     loss_scaler: dict[str, Any] | None = None
     lr_scheduler: dict[str, Any] | None = None
     data_sampler: dict[str, Any] | None = None
-    rng: tuple[dict[str, torch.Tensor], dict[str, str]] | None = None
+    rng: RngState | None = None
     client_state: Any = field(default_factory=dict)
 
 
@@ -99,6 +112,26 @@ def _model_differences(engine: Any, index: dict[str, Any]) -> list[str]:
     if saved_aliases != aliases:
         problems.append(f"tied parameters differ: checkpoint {saved_aliases}, model {aliases}")
     return problems
+
+
+def _check_extras(
+    engine: Any, extras: dict[str, torch.Tensor], buffer_names: list[str], reader: CheckpointReader
+) -> None:
+    """The extras file holds every buffer and frozen parameter the model will take from it, in
+    the model's shapes (the index said so; the file must agree, or phase 2's copy would fail)."""
+    module = engine.module
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
+    wanted = list(buffer_names) + [n for n in reader.index.get("frozen_params", {}) if n in tensors]
+    path = reader.tag_dir / EXTRAS_FILE
+    for name in wanted:
+        if name not in extras:
+            raise CheckpointError(f"{path}: tensor {name!r} missing; {INDEX_FILE} lists it.")
+        if extras[name].shape != tensors[name].shape:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {list(extras[name].shape)}, the model's is "
+                f"{list(tensors[name].shape)}; the file does not match {INDEX_FILE}."
+            )
 
 
 def _param_source(reader: CheckpointReader, extras: dict[str, torch.Tensor]):
@@ -159,14 +192,7 @@ def _flat_optimizer_state(engine: Any, flat: Any, reader: CheckpointReader, read
             value = reader.read_scalar(flat.names, key)
             if value is None:  # only empty parameters here: any other flat's copy
                 value = reader.read_scalar(list(params), key)
-            if kind == "float":
-                state[key] = float(value)
-            elif kind == "int":
-                state[key] = int(value)
-            elif kind == "bool":
-                state[key] = bool(value)
-            else:
-                state[key] = value.clone()
+            state[key] = scalar_value(value, kind, str(reader.tag_dir), f"optimizer scalar {key}")
     return state
 
 
@@ -179,22 +205,47 @@ def _optimizer_family(class_name: str) -> str:
     return _OPTIMIZER_FAMILIES.get(class_name, class_name)
 
 
-def _python_state(reader: CheckpointReader) -> dict[str, Any]:
+def _python_state(reader: CheckpointReader, allow_pickle: bool) -> dict[str, Any]:
+    """python_state.pt, unpickled with torch's weights-only unpickler unless `allow_pickle`.
+
+    The weights-only unpickler builds only dicts, lists, tuples, sets, numbers, strings and
+    tensors, so a crafted file cannot make loading run code; any other object needs the
+    caller's explicit `allow_pickle=True`.
+    """
     path = reader.verify_file(PYTHON_STATE_FILE)
     try:
-        # Written by save_checkpoint; like any pickle, load only checkpoints you trust.
-        return torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if not allow_pickle:
+            first_line = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            raise CheckpointError(
+                f"{path}: holds Python objects other than dicts, lists, tuples, numbers, strings and "
+                f"tensors ({first_line}); loading them would run code from the checkpoint, so "
+                "load_checkpoint refuses. If you trust this checkpoint, pass "
+                "load_checkpoint(..., allow_pickle=True)."
+            ) from None
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as error2:
+            raise CheckpointError(f"{path}: unreadable ({error2}).") from None
     except Exception as error:
         raise CheckpointError(f"{path}: unreadable ({error}).") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not the dict save_checkpoint writes.")
+    return state
 
 
-def _entry_value(reader: CheckpointReader, entry: dict[str, Any] | None, key: str, cache: dict) -> Any:
+def _entry_value(
+    reader: CheckpointReader, entry: dict[str, Any] | None, key: str, cache: dict, options: LoadOptions
+) -> Any:
     if entry is None:
         return None
     if "json" in entry:
         return entry["json"]
     if "python" not in cache:
-        cache["python"] = _python_state(reader)
+        cache["python"] = _python_state(reader, options.allow_pickle)
+    if key not in cache["python"]:
+        raise CheckpointError(f"{reader.tag_dir / PYTHON_STATE_FILE}: has no {key!r}, which {INDEX_FILE} puts there.")
     return cache["python"][key]
 
 
@@ -210,14 +261,15 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
         read = _param_source(reader, extras)
         masters = [_assemble(flat, read, MASTER_KIND, flat.master.dtype) for flat in engine.flats]
         _, frozen_now, buffer_names = module_names(engine)
+        _check_extras(engine, extras, buffer_names, reader)
         module_values = {name: extras[name] for name in buffer_names}
         for name in frozen_now:  # frozen now; maybe trainable (sharded) when saved
             module_values[name] = extras[name] if name in extras else reader.read_full(name)
         loaded = _Loaded(tag_dir=tag_dir, masters=masters, module_values=module_values)
-        cache: dict[str, Any] = {}
-        loaded.client_state = _entry_value(reader, index.get("client_state"), "client_state", cache) or {}
         if options.module_only:
-            return loaded
+            return loaded  # client state is never read: a module-only load reads tensors and JSON only
+        cache: dict[str, Any] = {}
+        loaded.client_state = _entry_value(reader, index.get("client_state"), "client_state", cache, options) or {}
 
         saved_opt = index.get("optimizer")
         wants_groups = options.optimizer_states or options.lr_scheduler_states
@@ -239,14 +291,26 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
             elif options.lr_scheduler_states:
                 loaded.param_groups, loaded.lr_only = saved_opt["param_groups"], True
         if options.lr_scheduler_states and engine.lr_scheduler is not None:
-            loaded.lr_scheduler = _entry_value(reader, index.get("lr_scheduler"), "lr_scheduler", cache)
-        loaded.counters = dict(index["counters"])
-        loaded.loss_scaler = index.get("loss_scaler")
-        loaded.data_sampler = index.get("data_sampler")
-        rank = engine.global_rank
-        if rank < index["world_size"]:
-            loaded.rng = (reader.rank_file_tensors(rank, RNG_PREFIX), reader.rank_file_metadata(rank))
+            loaded.lr_scheduler = _entry_value(reader, index.get("lr_scheduler"), "lr_scheduler", cache, options)
+        _parse_small_fields(engine, reader, loaded)
         return loaded
+
+
+def _parse_small_fields(engine: Any, reader: CheckpointReader, loaded: _Loaded) -> None:
+    """Check every non-tensor value phase 2 will use (fields.py), so phase 2 cannot fail on one."""
+    index, path = reader.index, reader.tag_dir / INDEX_FILE
+    loaded.counters = parse_counters(index, path)
+    loaded.data_sampler = parse_sampler(index, path)
+    loaded.loss_scaler = check_scaler_state(index.get("loss_scaler"), engine.loss_scaler, path)
+    if loaded.param_groups is not None:
+        check_param_groups(loaded.param_groups, engine.optimizer, path)
+    if loaded.lr_scheduler is not None:
+        where = str(path if "json" in (index.get("lr_scheduler") or {}) else reader.tag_dir / PYTHON_STATE_FILE)
+        check_scheduler_state(loaded.lr_scheduler, engine.lr_scheduler, where)
+    rank = engine.global_rank
+    if rank < index["world_size"]:
+        tensors, metadata = reader.rank_file_tensors(rank, RNG_PREFIX), reader.rank_file_metadata(rank)
+        loaded.rng = parse_rng_state(tensors, metadata, str(reader.tag_dir / rank_file_name(rank)))
 
 
 # --------------------------------------------------------------------------- writes
@@ -320,15 +384,15 @@ def apply_to_engine(engine: Any, loaded: _Loaded, options: LoadOptions) -> None:
     _write_into_engine(engine, loaded)
     if options.module_only:
         return
-    counters = loaded.counters or {}
-    engine.global_steps = int(counters.get("global_steps", engine.global_steps))
-    engine.micro_steps = int(counters.get("micro_steps", engine.micro_steps))
-    engine.skipped_steps = int(counters.get("skipped_steps", engine.skipped_steps))
+    if loaded.counters is not None:
+        engine.global_steps = loaded.counters["global_steps"]
+        engine.micro_steps = loaded.counters["micro_steps"]
+        engine.skipped_steps = loaded.counters["skipped_steps"]
     sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
     if loaded.data_sampler is not None and "epoch" in loaded.data_sampler and hasattr(sampler, "set_epoch"):
         sampler.set_epoch(loaded.data_sampler["epoch"])
     if loaded.rng is not None:
-        restore_rng_state(*loaded.rng)
+        apply_rng_state(loaded.rng)
     engine.zero_grad()  # gradients accumulated before the load belong to other weights
 
 
@@ -342,34 +406,35 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    allow_pickle: bool = False,
 ) -> tuple[str | None, Any]:
     """Load a checkpoint saved on any world size and stage; collective.
+
+    Nothing in the checkpoint directory is executed: tensors come from safetensors files,
+    everything else from JSON or from `python_state.pt` through torch's weights-only
+    unpickler. A `python_state.pt` holding other Python objects (a `client_state` with
+    your own classes) is refused unless `allow_pickle=True`, which unpickles it fully and
+    so runs whatever code it names: pass it only for checkpoints you trust.
+    `load_module_only=True` never reads client state (it returns `{}` for it).
 
     Returns:
         (checkpoint directory, client_state), or (None, None) when `tag` is None and
         `load_dir` has no `latest` file (nothing saved yet), as DeepSpeed does.
     """
     load_dir = Path(load_dir)
-    options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only, allow_pickle)
     loaded: _Loaded | None = None
     error: BaseException | None = None
+    tag = agree_on_tag(load_dir, tag)
     try:
-        if tag is None:
-            tag = read_latest(load_dir)
         if tag is not None:
-            tag_dir = find_tag_dir(load_dir, validate_tag(tag))
+            tag_dir = find_tag_dir(load_dir, tag)
             try:
                 loaded = read_for_engine(engine, tag_dir, options)
             except (KeyError, TypeError, IndexError) as exc:
                 raise CheckpointError(f"{tag_dir / 'index.json'}: malformed ({exc!r}); the index is corrupt.") from exc
     except Exception as exc:
         error = exc
-    outcomes = all_gather_object("error" if error is not None else ("none" if loaded is None else "ok"))
-    if error is None and "error" not in outcomes and len(set(outcomes)) > 1:
-        error = CheckpointError(
-            f"load_checkpoint({load_dir}): some ranks found a checkpoint and some did not ({outcomes}); "
-            "is the directory on a file system every rank sees?"
-        )
     agree(error, f"load_checkpoint({load_dir}, tag={tag!r})")
     if loaded is None:
         logger.warning("load_checkpoint: no '%s/latest' file, nothing loaded.", load_dir)
@@ -378,3 +443,37 @@ def load_checkpoint(
     if engine.global_rank == 0:
         logger.info("loaded checkpoint %s at step %d", loaded.tag_dir, engine.global_steps)
     return str(loaded.tag_dir), loaded.client_state
+
+
+def agree_on_tag(load_dir: Path, tag: str | None) -> str | None:
+    """The one tag every rank loads; collective.
+
+    A rank that passes no tag loads the tag `latest` names as rank 0 read it (one read, so a
+    `latest` rewritten meanwhile cannot make ranks load different checkpoints). Ranks that
+    resolve to different tags (rank 0 tag="a", rank 1 tag="b") raise on every rank, naming
+    them. None when no rank passed a tag and there is no `latest` file.
+
+    Raises:
+        CheckpointError: on every rank, when the ranks disagree or `latest` is unreadable.
+    """
+    latest: str | None = None
+    latest_error: str | None = None
+    if is_rank_zero():
+        try:
+            latest = read_latest(load_dir)
+        except Exception as exc:  # shared with every rank below; raising here alone would hang them
+            latest_error = str(exc) if isinstance(exc, CheckpointError) else f"{load_dir / 'latest'}: {describe(exc)}"
+    passed = all_gather_object((tag, latest, latest_error))
+    _, latest, latest_error = passed[0]
+    if any(t is None for t, _, _ in passed) and latest_error is not None:
+        raise CheckpointError(latest_error)
+    resolved = [validate_tag(t) if t is not None else latest for t, _, _ in passed]
+    if len(set(resolved)) > 1:
+        by_rank = ", ".join(
+            f"rank {r}: {t!r}" + (" (from latest)" if passed[r][0] is None else "") for r, t in enumerate(resolved)
+        )
+        raise CheckpointError(
+            f"load_checkpoint({load_dir}): the ranks would load different checkpoints ({by_rank}); "
+            "pass the same tag on every rank (or none, to load the one 'latest' names)."
+        )
+    return resolved[0]

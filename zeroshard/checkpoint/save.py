@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,12 @@ import torch
 from safetensors.torch import save_file
 
 from ..ranges import overlap
+from .files import finish_file, fsync_dir, open_exclusive, remove_entry, write_bytes_exclusive, write_text_atomic
 from .format import (
     EXTRAS_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
+    INDEX_DIGEST_FILE,
     INDEX_FILE,
     LATEST_FILE,
     MASTER_KIND,
@@ -36,8 +37,7 @@ from .format import (
     CheckpointError,
     dtype_to_str,
     file_digest,
-    fsync_dir,
-    fsync_file,
+    index_digest_text,
     old_tag_dir,
     rank_file_name,
     scalar_kind,
@@ -45,7 +45,6 @@ from .format import (
     tensor_name,
     tmp_tag_dir,
     validate_tag,
-    write_text_atomic,
 )
 from .rng import capture_rng_state
 from .sync import agree, all_gather_object, describe
@@ -153,7 +152,8 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
                 tensors[tensor_name(state_kind(key), fid)] = owned(value)
                 elementwise[key] = dtype_to_str(value.dtype)
             elif isinstance(value, torch.Tensor) and value.numel() == 1:
-                tensors[tensor_name(scalar_kind(key), fid)] = value.detach().reshape(()).cpu().clone()
+                # Saved in its own shape: a custom optimizer's [1] state must not come back 0-d.
+                tensors[tensor_name(scalar_kind(key), fid)] = value.detach().cpu().clone()
                 scalars[key] = "tensor"
             elif isinstance(value, (bool, int, float)):
                 dtype = torch.float64 if isinstance(value, float) else torch.int64
@@ -189,7 +189,7 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
     metadata = {"rank": str(rank), "world_size": str(engine.world_size), **rng_metadata}
     path = tmp / rank_file_name(rank)
     save_file(tensors, str(path), metadata=metadata)
-    fsync_file(path)
+    finish_file(path)
     size, sha = file_digest(path)
     return {"rank": rank, "file": path.name, "size": size, "sha256": sha, "flats": flats_info}
 
@@ -227,7 +227,7 @@ def _write_extras(engine: Any, tmp: Path, frozen: list[str], buffer_names: list[
     tensors.update({name: buffers[name].detach().to("cpu", copy=True) for name in buffer_names})
     path = tmp / EXTRAS_FILE
     save_file(tensors, str(path))
-    fsync_file(path)
+    finish_file(path)
 
     def describe_tensors(names: list[str]) -> dict[str, Any]:
         return {n: {"shape": list(tensors[n].shape), "dtype": dtype_to_str(tensors[n].dtype)} for n in names}
@@ -297,9 +297,8 @@ def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[st
         python_state["client_state"] = client_state
         client_entry = {"file": PYTHON_STATE_FILE}
     if python_state:
-        path = tmp / PYTHON_STATE_FILE
-        torch.save(python_state, path)
-        fsync_file(path)
+        with open_exclusive(tmp / PYTHON_STATE_FILE) as f:
+            torch.save(python_state, f)
     for name in (EXTRAS_FILE, PYTHON_STATE_FILE) if python_state else (EXTRAS_FILE,):
         size, sha = file_digest(tmp / name)
         files[name] = {"size": size, "sha256": sha}
@@ -331,12 +330,14 @@ def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[st
         "lr_scheduler": scheduler_entry,
         "data_sampler": _sampler_state(engine),
         "client_state": client_entry,
+        "index_digest": INDEX_DIGEST_FILE,
         "config": engine.config.raw,
         "precision_plan": engine.precision_plan.as_dict(),
     }
-    path = tmp / INDEX_FILE
-    path.write_text(json.dumps(index, indent=1, default=str) + "\n")
-    fsync_file(path)
+    index_bytes = (json.dumps(index, indent=1, default=str) + "\n").encode("utf-8")
+    write_bytes_exclusive(tmp / INDEX_FILE, index_bytes)
+    # The digest of the index, checked by every load (by tag or through `latest`).
+    write_bytes_exclusive(tmp / INDEX_DIGEST_FILE, index_digest_text(index_bytes).encode("utf-8"))
     fsync_dir(tmp)
 
 
@@ -346,18 +347,85 @@ def _publish(save_dir: Path, tag: str, tmp: Path, save_latest: bool) -> None:
     old = old_tag_dir(save_dir, tag)
     if final.exists():
         # Replacing a tag: the old copy stays loadable (as .<tag>.old) until the new one is in place.
-        if old.exists():
-            shutil.rmtree(old)
+        remove_entry(old)
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(save_dir)
     if save_latest:
         write_text_atomic(save_dir / LATEST_FILE, tag + "\n")
-    if old.exists():
-        shutil.rmtree(old)
+    remove_entry(old)
+
+
+# Temporary directories of this process's saves that did not finish (rank 0). A save that
+# fails part-way leaves `.<tag>.tmp`; the next save of any tag removes it. Only this
+# process's own: another job may be saving into the same directory right now.
+_UNFINISHED: set[Path] = set()
+
+
+def _prepare_tmp_dir(save_dir: Path, tag: str, tmp: Path) -> None:
+    """Rank 0, before anything is written: refuse a linked tag, clean up, create `tmp`."""
+    final = save_dir / tag
+    if final.is_symlink():
+        raise CheckpointError(
+            f"{final}: a symbolic link; a save replaces the tag directory by renaming, which would "
+            "replace the link and leave its target stale. Remove the link or save under another tag."
+        )
+    save_dir.mkdir(parents=True, exist_ok=True)
+    for stale in sorted(_UNFINISHED):
+        remove_entry(stale)
+        _UNFINISHED.discard(stale)
+    remove_entry(tmp)  # a save of this tag that died part-way (perhaps in another process)
+    _UNFINISHED.add(tmp.absolute())
+    tmp.mkdir()
 
 
 # ------------------------------------------------------------------------------ entry
+
+TAG_VALIDATION_MODES = ("IGNORE", "WARN", "FAIL")
+
+
+def tag_validation_mode(engine: Any) -> str:
+    """`checkpoint.tag_validation` of the engine's config, upper-cased (DeepSpeed's default "Warn").
+
+    Read from either form of the config's `checkpoint` section (a plain table, or a model
+    with a `tag_validation` attribute).
+    """
+    section = getattr(engine.config, "checkpoint", None)
+    value = section.get("tag_validation") if isinstance(section, dict) else getattr(section, "tag_validation", None)
+    value = getattr(value, "value", value)  # an enum member
+    mode = "WARN" if value is None else str(value).upper()
+    if mode not in TAG_VALIDATION_MODES:
+        raise CheckpointError(
+            f"checkpoint.tag_validation={value!r}: must be one of Ignore, Warn, Fail. "
+            'Set e.g. "checkpoint": {"tag_validation": "Warn"}.'
+        )
+    return mode
+
+
+def agree_on_save_tag(engine: Any, tag: str | None) -> str:
+    """The tag every rank saves under; collective.
+
+    None or "" mean DeepSpeed's default, `global_step<N>`. If the ranks passed different
+    tags, `checkpoint.tag_validation` decides: "Fail" raises on every rank; "Warn" (the
+    default) logs the tags and "Ignore" says nothing, and both save under rank 0's tag (a
+    checkpoint is one directory that every rank writes into).
+    """
+    if tag is None or tag == "":
+        tag = f"global_step{engine.global_steps}"
+    tags = all_gather_object(str(tag))
+    mode = tag_validation_mode(engine)
+    if len(set(tags)) > 1:
+        by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        message = f"save_checkpoint: the ranks passed different tags ({by_rank})"
+        if mode == "FAIL":
+            raise CheckpointError(
+                f"{message}; checkpoint.tag_validation is Fail. Pass the same tag on every rank "
+                "(one without rank-specific parts)."
+            )
+        if mode == "WARN" and engine.global_rank == 0:
+            logger.warning("%s; saving under rank 0's tag %r (checkpoint.tag_validation is Warn).", message, tags[0])
+    return tags[0]
+
 
 
 def save_checkpoint(
@@ -373,22 +441,16 @@ def save_checkpoint(
         The checkpoint's directory.
     """
     save_dir = Path(save_dir)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     rank = engine.global_rank
-    tags = all_gather_object(tag)
-    if len(set(tags)) != 1:
-        raise ValueError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag on every rank.")
+    tag = agree_on_save_tag(engine, tag)
     validate_tag(tag)  # after the agreement, so that every rank raises or none does
     tmp = tmp_tag_dir(save_dir, tag)
 
     error: BaseException | None = None
     if rank == 0:
         try:
-            save_dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # a save of this tag that died part-way
-            tmp.mkdir()
-        except OSError as exc:
+            _prepare_tmp_dir(save_dir, tag, tmp)
+        except (OSError, CheckpointError) as exc:
             error = exc
     agree(error, f"save_checkpoint({save_dir}, tag={tag!r}): creating {tmp}")
 
@@ -411,6 +473,7 @@ def save_checkpoint(
             _write_rank0_files(engine, tag, tmp, gathered, client_state)
             _crash_point("before_rename", rank)
             _publish(save_dir, tag, tmp, save_latest)
+            _UNFINISHED.discard(tmp.absolute())
         except Exception as exc:
             error = exc
     agree(error, f"save_checkpoint({save_dir}, tag={tag!r}): writing the index")

@@ -20,6 +20,11 @@ def all_gather_object(obj: Any) -> list[Any]:
     return comm.all_gather_object(obj, group=comm.world_group())
 
 
+def is_rank_zero() -> bool:
+    """Whether this process is rank 0 (or the only process)."""
+    return comm.rank() == 0
+
+
 def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 

@@ -46,6 +46,7 @@ from .newton_schulz import (
     DEFAULT_NS_STEPS,
     NS_DTYPE_NAMES,
     NS_METHODS,
+    ns_input_dtype,
     orthogonalize,
     resolve_ns_dtype,
     update_scale,
@@ -66,6 +67,7 @@ __all__ = [
     "is_muon_requested",
     "matrix_layout",
     "muon_param_plan",
+    "muon_param_problems",
     "parse_muon_params",
     "split_param_groups",
 ]
@@ -126,12 +128,9 @@ def _number(problems: list[str], params: Mapping[str, Any], key: str, low: float
         problems.append(f"optimizer.params.{key}={value!r}: must be a number >= {low}{bound}.")
 
 
-def parse_muon_params(params: Mapping[str, Any] | None) -> MuonSettings:
-    """Validate a Muon config's `optimizer.params` and resolve its defaults.
-
-    Raises:
-        ValueError: every problem at once, each naming its key.
-    """
+def muon_param_problems(params: Mapping[str, Any] | None) -> list[str]:
+    """Every problem of a Muon config's `optimizer.params`, each naming its key (the config
+    validation reports them with the rest of the config's problems)."""
     params = dict(params or {})
     problems: list[str] = []
     for key in params:
@@ -156,16 +155,32 @@ def parse_muon_params(params: Mapping[str, Any] | None) -> MuonSettings:
         problems.append(f"optimizer.params.ns_dtype={ns_dtype!r}: must be one of {', '.join(NS_DTYPE_NAMES)}.")
     betas = params.get("betas", (0.9, 0.95))
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2
-            and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
         problems.append(f"optimizer.params.betas={betas!r}: must be two numbers in [0, 1).")
     patterns = params.get("muon_exclude_patterns", DEFAULT_EXCLUDE_PATTERNS)
-    if isinstance(patterns, str) or not all(isinstance(s, str) and s for s in patterns):
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)) or not all(
+            isinstance(s, str) and s for s in patterns):
         problems.append(
             f"optimizer.params.muon_exclude_patterns={patterns!r}: must be a list of non-empty "
             "name substrings (parameters whose name contains one use AdamW)."
         )
+    return problems
+
+
+def parse_muon_params(params: Mapping[str, Any] | None) -> MuonSettings:
+    """Validate a Muon config's `optimizer.params` and resolve its defaults.
+
+    Raises:
+        ValueError: every problem at once, each naming its key.
+    """
+    params = dict(params or {})
+    problems = muon_param_problems(params)
     if problems:
         raise ValueError("invalid Muon optimizer config:\n  " + "\n  ".join(problems))
+    steps = params.get("ns_steps", DEFAULT_NS_STEPS)
+    ns_dtype = params.get("ns_dtype", "auto")
+    betas = params.get("betas", (0.9, 0.95))
+    patterns = params.get("muon_exclude_patterns", DEFAULT_EXCLUDE_PATTERNS)
     lr = params.get("lr")
     return MuonSettings(
         muon_lr=float(params.get("muon_lr", lr if lr is not None else MUON_LR)),
@@ -531,8 +546,7 @@ class ShardedMuon(torch.optim.Optimizer):
         if master_numel == flat.padded_numel:
             full_u = u
         else:
-            # A narrower wire dtype changes nothing: NS casts its input to it first.
-            wire = compute_dtype if compute_dtype.itemsize < u.dtype.itemsize else u.dtype
+            wire = ns_input_dtype(compute_dtype, u.dtype)  # never fp16 before normalising
             full_u = torch.empty(flat.padded_numel, dtype=wire, device=u.device)
             all_gather_shards([GatherPiece(u, full_u)], group=flat.spec.shard, tag="muon", wire_dtype=wire).wait()
 

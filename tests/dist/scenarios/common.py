@@ -36,6 +36,19 @@ PRECISION_SECTIONS: dict[str, dict[str, Any]] = {
         "data_types": {"grad_accum_dtype": "fp16"},
     },
     "autocast_bf16": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+    # Combinations DeepSpeed accepts (reference.LOSSY_MODES).
+    "bf16_autocast": {"bf16": {"enabled": True}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+    "fp32_accum_bf16": {"data_types": {"grad_accum_dtype": "bf16"}},
+    "fp32_comm_bf16": {"communication_data_type": "bf16"},
+    "fp32_comm_fp16": {"communication_data_type": "fp16"},
+    "bf16_accum_fp16": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
+    "fp16_accum_bf16": {
+        "fp16": {"enabled": True, "initial_scale_power": FP16_INITIAL_SCALE_POWER},
+        "data_types": {"grad_accum_dtype": "bf16"},
+    },
+    "autocast_comm_bf16": {
+        "torch_autocast": {"enabled": True, "dtype": "bfloat16"}, "communication_data_type": "bf16",
+    },
 }
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+from tests.dist.reference import global_batches
 from tests.dist.scenarios.common import Case, build_engine, engine_config, full_masters, train
 from zeroshard.checkpoint.export import consolidate_fp32
 
@@ -66,3 +67,33 @@ def bad_shard_group_size() -> str:
     except ValueError as error:
         return str(error)
     return ""
+
+
+def hybrid_resume(case: Case) -> dict[str, Any]:
+    """Save a hybrid-sharded run after one step, continue it two steps; load the checkpoint
+    into a fresh hybrid engine (other initial weights) and into a plain world-4 engine, and
+    continue the hybrid one on the same batches."""
+    rows = dist.get_world_size() * case.micro * case.ga
+    batches = global_batches(case.seed, 3, rows)
+    one_step = Case(**{**case.__dict__, "steps": 1, "keep": ()})
+    two_steps = Case(**{**case.__dict__, "steps": 2, "keep": ("master",)})
+    root = [tempfile.mkdtemp(prefix="zeroshard-layout-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+
+    engine = build_engine(case)
+    train(engine, one_step, batches=batches[:1])
+    engine.save_checkpoint(root[0], tag="t")
+    saved = full_masters(engine)
+    expected = train(engine, two_steps, batches=batches[1:])["master"][-1]
+
+    resumed = build_engine(Case(**{**case.__dict__, "seed": 1}))
+    resumed.load_checkpoint(root[0], tag="t")
+    loaded = full_masters(resumed)
+    continued = train(resumed, two_steps, batches=batches[1:])["master"][-1]
+
+    plain = build_engine(Case(**{**case.__dict__, "seed": 1, "extra": {}}))
+    plain.load_checkpoint(root[0], tag="t")
+    return {
+        "saved": saved, "loaded": loaded, "expected": expected, "continued": continued,
+        "plain_loaded": full_masters(plain), "plain_replicas": plain.layout.dense.replicate.size,
+    }

@@ -1,0 +1,66 @@
+"""The one validation pass: a raw config in, the frozen, resolved config out.
+
+``resolve_config`` is what ``initialize``, ``zeroshard explain``, the memory estimate, the
+optimizer and scheduler builders and checkpoint loading read. It runs every rule: each key's
+own (``zeroshard.config.check_config``: types, ranges, the three key classes, the optimizer's
+and the schedule's parameters, the batch triangle) and the rules across sections (the
+precision plan of ``zeroshard.precision``, Muon's parameters, an optimizer that cannot keep
+its state in the dtype the plan asks for). Every problem found is reported in one
+``ConfigError``, so ``explain`` and ``initialize`` refuse the same configs with the same message.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from .config import PRECISION_KEYS, ConfigError, ZeroshardConfig, check_config
+from .optim.build import state_dtype_problem
+from .optim.muon import muon_param_problems
+from .precision import resolve_precision_plan
+
+__all__ = ["resolve_config"]
+
+
+def resolve_config(raw: dict | str | os.PathLike, world_size: int = 1) -> ZeroshardConfig:
+    """Validate and resolve a DeepSpeed-style config for ``world_size`` ranks.
+
+    Args:
+        raw: the config as a dict, or the path of a JSON (or HJSON) file holding it.
+        world_size: data-parallel world size (the batch-size triangle depends on it).
+
+    Returns:
+        The frozen config, with ``precision_plan`` and ``stage_policy`` resolved.
+
+    Raises:
+        ConfigError: listing every problem, each as ``<key>=<value>: <rule>. <fix>``.
+    """
+    cfg, problems, tainted = check_config(raw, world_size)
+    if cfg is None:
+        raise ConfigError(problems)
+    plan = None
+    if not tainted & PRECISION_KEYS:
+        try:
+            plan = resolve_precision_plan(cfg)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    optimizer = cfg.optimizer
+    if optimizer is not None and "optimizer" not in tainted:
+        if optimizer.type.lower() == "muon":
+            problems.extend(muon_param_problems(optimizer.params))
+        elif plan is not None and any(
+            r.optimizer_state_dtype != r.master_dtype for r in plan.groups.values()
+        ) and (problem := state_dtype_problem(optimizer.type, optimizer.params)):
+            problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
+    assert plan is not None
+    new = [choice for choice in plan.lossy if choice not in _warned_lossy]
+    if new:  # explain silences this: it prints the same sentences as LOSSY lines
+        _warned_lossy.update(new)
+        warnings.warn("zeroshard: lossy precision choices in the config:\n  " + "\n  ".join(new), stacklevel=2)
+    cfg._precision_plan = plan
+    return cfg
+
+
+_warned_lossy: set[str] = set()  # each lossy choice is warned about once per process
