@@ -66,9 +66,9 @@ def initialize(
         )
     if dist_init_required is not False:
         init_distributed()
-    sequence_parallel = _sequence_parallel_groups(mpu)
-    sp_size = 1 if sequence_parallel is None else sequence_parallel[0].size
-    cfg = resolve_config(raw, world_size=comm.world_size() // sp_size)  # the batch triangle counts replicas
+    mpu_sp = None if mpu is None else mpu.get_sequence_parallel_world_size()
+    cfg = resolve_config(raw, world_size=comm.world_size(), sequence_parallel_size=mpu_sp)
+    sequence_parallel = _sequence_parallel_groups(mpu, cfg.sequence_parallel_size)
     layout = ParallelLayout.build(cfg.zeroshard.shard_group_size)
     if sequence_parallel is not None:
         layout = layout.with_sequence_parallel(*sequence_parallel)
@@ -79,19 +79,28 @@ def initialize(
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _sequence_parallel_groups(mpu: Any) -> tuple[comm.Group, comm.Group] | None:
-    """(sequence group, data group) from a sequence-parallel mpu; None without one."""
+def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[comm.Group, comm.Group] | None:
+    """(sequence group, data group): the mpu's, or for the config's `sequence_parallel_size`
+    parallel_state_sp's (built here if needed); None without sequence parallelism."""
+    from .runtime.sequence_parallel import parallel_state_sp
     from .utils.sequence_groups import set_sequence_parallel_mpu
 
+    if mpu is None and size > 1:
+        if not parallel_state_sp.is_initialized():
+            parallel_state_sp.initialize_sequence_parallel(size)
+        elif parallel_state_sp.get_sequence_parallel_world_size() != size:
+            raise ValueError(
+                f"sequence_parallel_size={size}, but parallel_state_sp is initialized with "
+                f"{parallel_state_sp.get_sequence_parallel_world_size()}. Pass that mpu, or make them agree."
+            )
+        mpu = parallel_state_sp
     set_sequence_parallel_mpu(mpu)
-    if mpu is None or mpu.get_sequence_parallel_world_size() == 1:
+    if mpu is None or size == 1:
         return None
     sequence = comm.as_group(mpu.get_sequence_parallel_group())
     if hasattr(mpu, "get_data_parallel_group"):
         data = comm.as_group(mpu.get_data_parallel_group())
     else:  # the strided ranks at this rank's position in every sequence group
-        from .runtime.sequence_parallel import parallel_state_sp
-
         data = parallel_state_sp.sequence_parallel_layout().data
     return sequence, data
 
