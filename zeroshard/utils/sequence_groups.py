@@ -30,10 +30,11 @@ def set_sequence_parallel_mpu(mpu: Any) -> None:
 
 
 def _source() -> Any:
-    if _mpu is not None and hasattr(_mpu, "get_sequence_parallel_group"):
-        return _mpu
     from ..runtime.sequence_parallel import parallel_state_sp
 
+    # parallel_state_sp counts only while initialized: an engine's mpu outlives destroy_sequence_parallel().
+    if _mpu is not None and _mpu is not parallel_state_sp and hasattr(_mpu, "get_sequence_parallel_group"):
+        return _mpu
     return parallel_state_sp if parallel_state_sp.is_initialized() else None
 
 
