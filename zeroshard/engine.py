@@ -97,6 +97,8 @@ class Engine:
         self.layout = place_layout(layout, self.offload)  # where each role lives (offload.py)
         self.world_size = self.layout.world_size
         self.global_rank = self.layout.rank
+        # Sequence ranks share samples: gradients average over data-parallel replicas only.
+        self.data_parallel_size = self.layout.data_parallel_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = select_device(model)
         self.module = model.to(self.device)
@@ -145,7 +147,7 @@ class Engine:
         # when parameters are gathered and freed. The engine only wires them together.
         reducer = GradientReducer(
             self.flats,
-            divisor=lambda: self.world_size * self.config.gradient_accumulation_steps,
+            divisor=lambda: self.data_parallel_size * self.config.gradient_accumulation_steps,
             bucket_numel=zero.reduce_bucket_size,
         )
         self._grads = GradientPath(
@@ -263,8 +265,9 @@ class Engine:
         from torch.utils.data import DataLoader, DistributedSampler
 
         drop_last = self.config.dataloader_drop_last
+        data = self.layout.data if self.layout.data is not None else self.layout.world
         sampler = DistributedSampler(
-            dataset, num_replicas=self.world_size, rank=self.global_rank,
+            dataset, num_replicas=data.size, rank=data.rank,
             shuffle=True, seed=self.config.seed or 0, drop_last=drop_last,
         )
         return DataLoader(
@@ -419,6 +422,16 @@ class Engine:
 
     def train_batch_size(self) -> int:
         return self.config.train_batch_size
+
+    @property
+    def seq_parallel_group(self) -> Any:
+        """The sequence-parallel torch ProcessGroup (None without sequence parallelism)."""
+        return None if self.layout.sequence is None else self.layout.sequence.handle
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The data-parallel torch ProcessGroup: ranks that see different samples."""
+        return (self.layout.data if self.layout.data is not None else self.layout.world).handle
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
