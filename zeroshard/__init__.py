@@ -51,8 +51,12 @@ def initialize(
 
     if model is None:
         raise ValueError("initialize: model= is required.")
-    if mpu is not None:
-        raise ValueError("initialize: mpu= (model parallelism) is not supported by zeroshard.")
+    if mpu is not None and not hasattr(mpu, "get_sequence_parallel_group"):
+        raise ValueError(
+            "initialize: mpu= must be a sequence-parallel mpu (get_sequence_parallel_group(), ...; e.g. "
+            "zeroshard.runtime.sequence_parallel.parallel_state_sp): tensor and pipeline parallelism are not "
+            "supported by zeroshard."
+        )
     raw = config if config is not None else config_params
     if raw is None and args is not None:
         raw = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
@@ -62,13 +66,43 @@ def initialize(
         )
     if dist_init_required is not False:
         init_distributed()
-    cfg = resolve_config(raw, world_size=comm.world_size())
+    mpu_sp = None if mpu is None else mpu.get_sequence_parallel_world_size()
+    cfg = resolve_config(raw, world_size=comm.world_size(), sequence_parallel_size=mpu_sp)
+    sequence_parallel = _sequence_parallel_groups(mpu, cfg.sequence_parallel_size)
     layout = ParallelLayout.build(cfg.zeroshard.shard_group_size)
+    if sequence_parallel is not None:
+        layout = layout.with_sequence_parallel(*sequence_parallel)
     engine = Engine(
         model, cfg, cfg.precision_plan, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[comm.Group, comm.Group] | None:
+    """(sequence group, data group): the mpu's, or for the config's `sequence_parallel_size`
+    parallel_state_sp's (built here if needed); None without sequence parallelism."""
+    from .runtime.sequence_parallel import parallel_state_sp
+    from .utils.sequence_groups import set_sequence_parallel_mpu
+
+    if mpu is None and size > 1:
+        if not parallel_state_sp.is_initialized():
+            parallel_state_sp.initialize_sequence_parallel(size)
+        elif parallel_state_sp.get_sequence_parallel_world_size() != size:
+            raise ValueError(
+                f"sequence_parallel_size={size}, but parallel_state_sp is initialized with "
+                f"{parallel_state_sp.get_sequence_parallel_world_size()}. Pass that mpu, or make them agree."
+            )
+        mpu = parallel_state_sp
+    set_sequence_parallel_mpu(mpu)
+    if mpu is None or size == 1:
+        return None
+    sequence = comm.as_group(mpu.get_sequence_parallel_group())
+    if hasattr(mpu, "get_data_parallel_group"):
+        data = comm.as_group(mpu.get_data_parallel_group())
+    else:  # the strided ranks at this rank's position in every sequence group
+        data = parallel_state_sp.sequence_parallel_layout().data
+    return sequence, data
 
 
 def __getattr__(name: str):

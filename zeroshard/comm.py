@@ -35,6 +35,8 @@ __all__ = [
     "broadcast",
     "all_to_all_single",
     "group_of",
+    "as_group",
+    "new_process_group",
     "world_size",
     "rank",
     "backend_name",
@@ -48,10 +50,10 @@ class Group:
     Attributes:
         ranks: the members' global ranks, in group-rank order.
         rank: this process's index in `ranks` (its group rank).
-        handle_ref: a weak reference to torch's process group; None for a group of one (no
-            communication). Weak so that an engine alive at exit does not keep the group, and
-            its gloo threads, alive past destroy_process_group ([Note: process-group lifetime]
-            in zeroshard/distributed.py).
+        handle_ref: a weak reference to torch's process group; None for a group of one made by
+            `new_group` (a group of one never communicates, whatever its handle). Weak so that
+            an engine alive at exit does not keep the group, and its gloo threads, alive past
+            destroy_process_group ([Note: process-group lifetime] in zeroshard/distributed.py).
     """
 
     ranks: tuple[int, ...]
@@ -331,3 +333,21 @@ def group_of(handle: object) -> Group:
     `ep_group`); a handle of one rank becomes a group without communication."""
     ranks = tuple(dist.get_process_group_ranks(handle))
     return Group(ranks, ranks.index(rank()), _weak(handle) if len(ranks) > 1 else None)
+
+
+def as_group(group: Group | dist.ProcessGroup) -> Group:
+    """A `Group` for what users hand to DeepSpeed-style APIs (`DistributedAttention`, an mpu's
+    groups): a `Group` as is, or a torch ProcessGroup named by its global ranks."""
+    if isinstance(group, Group):
+        return group
+    return Group(tuple(dist.get_process_group_ranks(group)), dist.get_rank(group), _weak(group))
+
+
+def new_process_group(members: tuple[int, ...], world: Group) -> Group:
+    """As `new_group`, but with a torch ProcessGroup handle even for one member: for groups
+    handed to users' code (an mpu's getters), where a None handle would mean the default group
+    to torch. Collective over `world`: every rank creates every group, in the same order."""
+    members = tuple(members)
+    mine = world.ranks[world.rank]
+    handle = dist.new_group(list(members))
+    return Group(members, members.index(mine) if mine in members else -1, _weak(handle))

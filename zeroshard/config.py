@@ -120,6 +120,9 @@ class ZeroshardConfig(_Section):
     steps_per_print: JsonInt = Field(10, ge=1)
     seed: JsonInt | None = None
     dataloader_drop_last: bool = False
+    # Ulysses sequence parallelism (docs/sequence-parallel.md): world = data x sequence ranks.
+    sequence_parallel_size: JsonInt = Field(1, ge=1)
+    data_parallel_size: JsonInt | None = Field(None, ge=1)
     zeroshard: ZeroshardExtras = Field(default_factory=ZeroshardExtras)
     # Accepted, no effect: logging, monitoring and permission knobs.
     wall_clock_breakdown: bool = False
@@ -155,7 +158,7 @@ class ZeroshardConfig(_Section):
     )
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
         {"optimizer", "scheduler", "seed", "train_batch_size", "train_micro_batch_size_per_gpu",
-         "gradient_accumulation_steps"}
+         "gradient_accumulation_steps", "sequence_parallel_size", "data_parallel_size"}
     )
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
         "amp": _Unsupported(_disabled_section, "Use 'bf16', 'fp16' or 'torch_autocast'."),
@@ -178,7 +181,6 @@ class ZeroshardConfig(_Section):
             lambda v: _empty(v) or (isinstance(v, dict) and v.get("autotp_size", 1) in (0, 1)),
             "zeroshard is data-parallel only; remove it.",
         ),
-        "sequence_parallel_size": _Unsupported(_equals(1), "zeroshard is data-parallel only."),
         "sparse_gradients": _Unsupported(_equals(False), "Gradients are dense; remove it."),
         "prescale_gradients": _Unsupported(
             _equals(False), "Gradients are averaged after the reduction; remove it."
@@ -481,9 +483,13 @@ PRECISION_KEYS = frozenset({"fp16", "bf16", "bfloat16", "torch_autocast", "data_
 
 
 def check_config(
-    raw: dict | str | os.PathLike, world_size: int = 1
+    raw: dict | str | os.PathLike, world_size: int = 1, sequence_parallel_size: int | None = None
 ) -> tuple[ZeroshardConfig | None, list[str], set[str]]:
     """Check every key of a config; the first half of ``resolve_config``.
+
+    ``world_size`` counts every rank; the batch triangle counts data-parallel replicas,
+    ``world_size / sequence_parallel_size`` (the key, or the argument when the caller already
+    has sequence-parallel groups, e.g. from an mpu: then the key must agree or be left out).
 
     Returns:
         ``(config, problems, tainted)``: the config with defaults filled in and the batch
@@ -530,8 +536,9 @@ def check_config(
     _collect_defaults(cfg, cleaned, "", cfg._defaults_applied)
     if cfg.zero_optimization.overlap_comm is None:
         cfg.zero_optimization.__dict__["overlap_comm"] = cfg.zero_optimization.overlap_comm_resolved
+    data_parallel = _data_parallel_size(cfg, data, world_size, sequence_parallel_size, problems)
     if not tainted & set(_BATCH_KEYS):
-        problems.extend(_resolve_batch_triangle(cfg, world_size))
+        problems.extend(_resolve_batch_triangle(cfg, data_parallel))
     if not problems:
         new_warnings = [k for k in report.no_effect_changed if k not in _warned_no_effect]
         if new_warnings:
@@ -542,6 +549,35 @@ def check_config(
                 stacklevel=3,
             )
     return cfg, problems, tainted
+
+
+def _data_parallel_size(
+    cfg: ZeroshardConfig, data: dict, world_size: int, given_sp: int | None, problems: list[str]
+) -> int:
+    """The data-parallel world (world / sequence-parallel size); records the problems."""
+    sp = cfg.sequence_parallel_size
+    if given_sp is not None and given_sp != sp:
+        if "sequence_parallel_size" in data:
+            problems.append(
+                f"sequence_parallel_size={sp}: the sequence-parallel groups given (mpu) have {given_sp} ranks. "
+                "Make them agree, or drop the key."
+            )
+        sp = given_sp
+        cfg.__dict__["sequence_parallel_size"] = sp
+    if world_size % sp:
+        problems.append(
+            f"sequence_parallel_size={sp}: must divide the world size {world_size}. "
+            "Launch a multiple of it ranks, or pick a divisor."
+        )
+        return world_size
+    dp = world_size // sp
+    if cfg.data_parallel_size is not None and cfg.data_parallel_size != dp:
+        problems.append(
+            f"data_parallel_size={cfg.data_parallel_size}: must be world size {world_size} / "
+            f"sequence_parallel_size {sp} = {dp}. Fix one of them, or drop data_parallel_size and it will be derived."
+        )
+    cfg.__dict__["data_parallel_size"] = dp
+    return dp
 
 
 def load_config(raw: dict | str | os.PathLike, world_size: int = 1) -> ZeroshardConfig:

@@ -98,6 +98,8 @@ class Engine:
         self.layout = place_layout(layout, self.offload)  # where each role lives (offload.py)
         self.world_size = self.layout.world_size
         self.global_rank = self.layout.rank
+        # Sequence ranks share samples: gradients average over data-parallel replicas only.
+        self.data_parallel_size = self.layout.data_parallel_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = select_device(model)
         # Not moved yet: cast first, then each unit's flat buffer is built on the device one at
@@ -156,7 +158,7 @@ class Engine:
             bucket_numel = default_bucket_numel(comm.backend_name(self.layout.dense.shard), self.flats)
         reducer = GradientReducer(
             self.flats,
-            divisor=lambda: self.world_size * self.config.gradient_accumulation_steps,
+            divisor=lambda: self.data_parallel_size * self.config.gradient_accumulation_steps,
             bucket_numel=bucket_numel,
         )
         self._grads = GradientPath(
@@ -275,8 +277,9 @@ class Engine:
         from torch.utils.data import DataLoader, DistributedSampler
 
         drop_last = self.config.dataloader_drop_last
+        data = self.layout.data if self.layout.data is not None else self.layout.world
         sampler = DistributedSampler(
-            dataset, num_replicas=self.world_size, rank=self.global_rank,
+            dataset, num_replicas=data.size, rank=data.rank,
             shuffle=True, seed=self.config.seed or 0, drop_last=drop_last,
         )
         # Pinned host batches on CUDA: `batch.to(engine.device, non_blocking=True)` then copies
@@ -435,6 +438,16 @@ class Engine:
 
     def train_batch_size(self) -> int:
         return self.config.train_batch_size
+
+    @property
+    def seq_parallel_group(self) -> Any:
+        """The sequence-parallel torch ProcessGroup (None without sequence parallelism)."""
+        return None if self.layout.sequence is None else self.layout.sequence.handle
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The data-parallel torch ProcessGroup: ranks that see different samples."""
+        return (self.layout.data if self.layout.data is not None else self.layout.world).handle
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)

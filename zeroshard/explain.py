@@ -156,6 +156,7 @@ def explain_data(
         "precision": plan.as_dict(),
         "defaults_applied": list(config.defaults_applied),
         "no_effect_keys": list(config.no_effect_keys),
+        "parallel": _parallel_layout(config.sequence_parallel_size, world_size),
         "model": None,
         "moe": None,
     }
@@ -213,6 +214,29 @@ def _placement(config: ZeroshardConfig) -> dict[str, Any]:
     }
 
 
+def _replicas(data: dict[str, Any]) -> str:
+    parallel = data.get("parallel") or {}
+    if parallel.get("sequence_parallel_size", 1) > 1:
+        sp, dp = parallel["sequence_parallel_size"], parallel["data_parallel_size"]
+        return f"data-parallel {dp} (world {data['world_size']} / sequence {sp})"
+    return f"world {data['world_size']}"
+
+
+def _parallel_layout(sequence_parallel_size: int, world_size: int) -> dict[str, Any]:
+    """The (data, sequence) layout (DESIGN section 9) and its activation-memory effect."""
+    sp = sequence_parallel_size
+    return {
+        "sequence_parallel_size": sp,
+        "data_parallel_size": world_size // sp,
+        "sequence_groups": [list(range(i, i + sp)) for i in range(0, world_size, sp)],
+        "data_groups": [list(range(i, world_size, sp)) for i in range(sp)],
+        "dense_sharded_over": world_size,
+        # Everything per position (embeddings, MLPs, norms, logits) holds 1/P of the sequence;
+        # attention holds the whole sequence for 1/P of the heads: the same fraction.
+        "activation_fraction": 1 / sp,
+    }
+
+
 def _human(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(nbytes) < 1024 or unit == "TiB":
@@ -235,7 +259,7 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     derived = f" ({', '.join(batch['derived'])} derived)" if batch["derived"] else ""
     console.print(
         f"batch: train_batch_size {batch['train_batch_size']} = micro {batch['train_micro_batch_size_per_gpu']}"
-        f" x accumulation {batch['gradient_accumulation_steps']} x world {data['world_size']}{derived}"
+        f" x accumulation {batch['gradient_accumulation_steps']} x {_replicas(data)}{derived}"
     )
 
     table = Table(title="Precision plan (dtype per tensor role and parameter group)")
@@ -297,6 +321,19 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
                 f"{g['experts_per_layer']} experts per rank): tokens exchanged within {g['expert_parallel_groups']}, "
                 f"expert parameters sharded over {g['expert_data_parallel_groups']}"
             )
+
+    parallel = data.get("parallel")
+    if parallel and parallel["sequence_parallel_size"] > 1:
+        sp, dp = parallel["sequence_parallel_size"], parallel["data_parallel_size"]
+        console.print(
+            f"\nsequence parallelism (Ulysses): {dp} data x {sp} sequence ranks; sequence groups "
+            f"{parallel['sequence_groups']} (consecutive: two all-to-alls per attention layer), data groups "
+            f"{parallel['data_groups']}; dense parameters sharded over all {parallel['dense_sharded_over']} ranks"
+        )
+        console.print(
+            f"  activations per rank: 1/{sp} of a sequence's (each rank holds 1/{sp} of every sequence; attention "
+            f"holds the whole sequence for 1/{sp} of the heads), so a {sp}x longer sequence fits the same memory"
+        )
 
     memory = data["memory"]
     estimate = memory["estimate"]

@@ -101,12 +101,38 @@ class ParallelLayout:
     """The process groups of a run and the sharding spec of its dense parameters.
 
     Attributes:
-        world: every rank (the gradient average's denominator, the global norm).
-        dense: the spec of every dense flat.
+        world: every rank (the global norm).
+        dense: the spec of every dense flat (sharded over data x sequence ranks).
+        sequence: the sequence-parallel group (Ulysses; zeroshard/sequence), None without.
+        data: the data-parallel group: the ranks holding the same sequence slice of
+            different samples (the world without sequence parallelism).
     """
 
     world: Group
     dense: ShardingSpec
+    sequence: Group | None = None
+    data: Group | None = None
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return 1 if self.sequence is None else self.sequence.size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the model that see different samples: the gradient average's
+        denominator. Sequence ranks see slices of the same samples, so their gradients are
+        summed, not averaged (DESIGN section 9)."""
+        return self.world.size // self.sequence_parallel_size
+
+    def with_sequence_parallel(self, sequence: Group, data: Group) -> ParallelLayout:
+        """This layout with sequence parallelism: dense flats stay sharded over the same
+        (data x sequence) ranks; only the averaging and the data loading change."""
+        if sequence.size * data.size != self.world.size:
+            raise ValueError(
+                f"sequence-parallel size {sequence.size} x data-parallel size {data.size} != world size "
+                f"{self.world.size}. Build the groups over every rank."
+            )
+        return replace(self, sequence=sequence, data=data)
 
     @property
     def world_size(self) -> int:
@@ -141,7 +167,13 @@ class ParallelLayout:
 
     def describe(self) -> str:
         d = self.dense
-        return (
+        text = (
             f"world {self.world.size}: dense parameters sharded over {d.shard.size} rank(s) "
             f"{d.shard.ranks}, replicated over {d.replicate.size} {d.replicate.ranks}"
         )
+        if self.sequence is not None:
+            text += (
+                f"; sequence parallel {self.sequence.size} {self.sequence.ranks} x data parallel "
+                f"{self.data_parallel_size}: each rank holds 1/{self.sequence.size} of every sequence"
+            )
+        return text

@@ -23,12 +23,17 @@ from .precision import resolve_precision_plan
 __all__ = ["resolve_config"]
 
 
-def resolve_config(raw: dict | str | os.PathLike, world_size: int = 1) -> ZeroshardConfig:
+def resolve_config(
+    raw: dict | str | os.PathLike, world_size: int = 1, sequence_parallel_size: int | None = None
+) -> ZeroshardConfig:
     """Validate and resolve a DeepSpeed-style config for ``world_size`` ranks.
 
     Args:
         raw: the config as a dict, or the path of a JSON (or HJSON) file holding it.
-        world_size: data-parallel world size (the batch-size triangle depends on it).
+        world_size: every rank; the batch-size triangle counts data-parallel replicas,
+            world_size / sequence_parallel_size.
+        sequence_parallel_size: the size of sequence-parallel groups built elsewhere (an mpu);
+            None: the config's `sequence_parallel_size` (default 1).
 
     Returns:
         The frozen config, with ``precision_plan`` and ``stage_policy`` resolved.
@@ -36,7 +41,7 @@ def resolve_config(raw: dict | str | os.PathLike, world_size: int = 1) -> Zerosh
     Raises:
         ConfigError: listing every problem, each as ``<key>=<value>: <rule>. <fix>``.
     """
-    cfg, problems, tainted = check_config(raw, world_size)
+    cfg, problems, tainted = check_config(raw, world_size, sequence_parallel_size)
     if cfg is None:
         raise ConfigError(problems)
     plan = None

@@ -14,12 +14,24 @@ The getters return a `zeroshard.comm.Group` (global `ranks`, this rank's `rank`,
 torch's process group, None for a group of one), which zeroshard's collectives and the gating
 functions' `ep_group` take. Code that passes the group to torch.distributed itself should pass
 `.handle`.
+
+Sequence-parallel accessors live in `sequence_groups` and are re-exported here, as DeepSpeed
+keeps every dimension's getters in this one module.
 """
 
 from __future__ import annotations
 
 from .. import comm
 from ..comm import Group
+from .sequence_groups import (  # noqa: F401  (DeepSpeed's names, re-exported)
+    _get_sequence_data_parallel_group,
+    _get_sequence_data_parallel_rank,
+    _get_sequence_data_parallel_world_size,
+    _get_sequence_parallel_group,
+    _get_sequence_parallel_rank,
+    _get_sequence_parallel_world_size,
+    set_sequence_parallel_mpu,
+)
 
 _EXPERT_PARALLEL_GROUP: dict[str, Group] = {}
 _EXPERT_DATA_PARALLEL_GROUP: dict[str, Group] = {}

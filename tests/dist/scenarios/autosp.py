@@ -1,0 +1,196 @@
+"""Rank-side scenarios for tests/dist/test_autosp.py: AutoSP's ViT wrapper and fusion adapters
+against the single-device computation (every rank computes that on the whole sequence too).
+
+Each rank's slice has its own length (the patch or token count is not a multiple of the ranks).
+The distributed loss is the sum over ranks of each rank's outputs against the same random
+weights; a replicated [CLS] output is counted on rank 0 only. Gradients of replicated inputs
+(the CLS token, visual features, parameters) are summed over the ranks here, as ZeRO's
+reduction sums sequence ranks' gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.sequence.auto_sp import auto_wrap_model_for_sp
+from zeroshard.sequence.autosp_fusion import InternVLFusionAdapter, LlavaFusionAdapter, Qwen2VLFusionAdapter
+from zeroshard.sequence.autosp_vit import UlyssesSPViTAttention
+
+
+def _slices(n: int, world: int) -> list[tuple[int, int]]:
+    """Uneven, contiguous: the first ranks take one more."""
+    base, extra = divmod(n, world)
+    bounds, start = [], 0
+    for r in range(world):
+        size = base + (r < extra)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _summed(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def _param_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def internvl_attention(patches: int) -> dict[str, Any]:
+    from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
+    from transformers.models.internvl.modeling_internvl import InternVLVisionAttention
+
+    torch.manual_seed(0)
+    config = InternVLVisionConfig(hidden_size=32, num_attention_heads=4, attn_implementation="sdpa")
+    attn = InternVLVisionAttention(config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.randn(2, 1 + patches, 32)
+    weights = torch.randn(2, 1 + patches, 32)
+
+    ref_in = full.clone().requires_grad_(True)
+    ref_out = attn(ref_in)[0]
+    (ref_out * weights).sum().backward()
+    ref = {"out": ref_out.detach(), "in_grad": ref_in.grad, "params": _param_grads(attn)}
+    attn.zero_grad(set_to_none=True)
+
+    a, b = _slices(patches, world)[rank]
+    local = torch.cat((full[:, :1], full[:, 1 + a : 1 + b]), 1).requires_grad_(True)
+    wrapped = UlyssesSPViTAttention(attn, dist.group.WORLD, has_cls_token=True)
+    out = wrapped(local)[0]
+    local_weights = torch.cat((weights[:, :1] * (rank == 0), weights[:, 1 + a : 1 + b]), 1)
+    (out * local_weights).sum().backward()
+    params = {n: _summed(g) for n, g in _param_grads(attn).items()}
+    return {
+        "out_cls": (out[:, 0].detach(), ref["out"][:, 0]),
+        "out_patches": (out[:, 1:].detach(), ref["out"][:, 1 + a : 1 + b]),
+        "grad_patches": (local.grad[:, 1:], ref["in_grad"][:, 1 + a : 1 + b]),
+        "grad_cls": (_summed(local.grad[:, :1]), ref["in_grad"][:, :1]),
+        "params": {n: (params[n], ref["params"][n]) for n in ref["params"]},
+    }
+
+
+def qwen2vl_attention(patches: int) -> dict[str, Any]:
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
+
+    torch.manual_seed(0)
+    config = Qwen2VLVisionConfig(embed_dim=32, num_heads=4, attn_implementation="sdpa")
+    attn = VisionAttention(config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.randn(patches, 32)
+    weights = torch.randn(patches, 32)
+    cu_seqlens = torch.tensor([0, 3, patches], dtype=torch.int32)  # two images
+    angles = torch.randn(patches, 4)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+
+    ref_in = full.clone().requires_grad_(True)
+    ref_out = attn(ref_in, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
+    (ref_out * weights).sum().backward()
+    ref_params = _param_grads(attn)
+    attn.zero_grad(set_to_none=True)
+
+    a, b = _slices(patches, world)[rank]
+    local = full[a:b].clone().requires_grad_(True)
+    wrapped = UlyssesSPViTAttention(attn, dist.group.WORLD, has_cls_token=False)
+    out = wrapped(local, cu_seqlens=cu_seqlens, position_embeddings=(cos[a:b], sin[a:b]))
+    (out * weights[a:b]).sum().backward()
+    params = {n: _summed(g) for n, g in _param_grads(attn).items()}
+    return {
+        "out": (out.detach(), ref_out.detach()[a:b]),
+        "grad": (local.grad, ref_in.grad[a:b]),
+        "params": {n: (params[n], ref_params[n]) for n in ref_params},
+    }
+
+
+def _visual_mask_reference(ids: torch.Tensor, kind: str) -> torch.Tensor:
+    """Where the visual rows go, computed by a plain loop (independent of the adapters)."""
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for row in range(ids.shape[0]):
+        inside = False
+        for col in range(ids.shape[1]):
+            token = int(ids[row, col])
+            if kind == "qwen2vl":
+                if token == 7:
+                    inside = True
+                elif token == 8:
+                    inside = False
+                else:
+                    mask[row, col] = inside
+            else:
+                mask[row, col] = token == 5
+    return mask
+
+
+def fusion(kind: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kind == "qwen2vl":
+        ids = torch.tensor([[1, 7, 6, 6, 6, 8, 2, 7, 6, 8, 3], [7, 6, 6, 8, 1, 1, 2, 3, 7, 6, 8]])
+    else:
+        ids = torch.tensor([[1, 5, 5, 5, 2, 3, 5, 5, 4, 1, 2], [5, 5, 1, 2, 3, 4, 5, 1, 2, 5, 5]])
+    mask = _visual_mask_reference(ids, kind)
+    projection = nn.Linear(12, 16)
+    visual = torch.randn(int(mask.sum()), 12)
+    embeds = torch.randn(2, ids.shape[1], 16)
+    weights = torch.randn(2, ids.shape[1], 16)
+
+    ref_visual, ref_embeds = visual.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
+    ref_out = ref_embeds.masked_scatter(mask.unsqueeze(-1), projection(ref_visual))
+    (ref_out * weights).sum().backward()
+    ref_params = _param_grads(projection)
+    projection.zero_grad(set_to_none=True)
+
+    if kind == "llava":
+        adapter = LlavaFusionAdapter(projection, dist.group.WORLD, image_token_id=5)
+    elif kind == "internvl":
+        adapter = InternVLFusionAdapter(projection, dist.group.WORLD, image_token_id=5)
+    else:
+        adapter = Qwen2VLFusionAdapter(projection, dist.group.WORLD, vision_start_token_id=7, vision_end_token_id=8)
+    a, b = _slices(ids.shape[1], world)[rank]
+    local_visual, local_embeds = visual.clone().requires_grad_(True), embeds[:, a:b].clone().requires_grad_(True)
+    out = adapter(local_visual, local_embeds, ids[:, a:b])
+    (out * weights[:, a:b]).sum().backward()
+    params = {n: _summed(g) for n, g in _param_grads(projection).items()}
+    return {
+        "out": (out.detach(), ref_out.detach()[:, a:b]),
+        "grad_embeds": (local_embeds.grad, ref_embeds.grad[:, a:b]),
+        "grad_visual": (_summed(local_visual.grad), ref_visual.grad),
+        "params": {n: (params[n], ref_params[n]) for n in ref_params},
+    }
+
+
+def all_cases() -> dict[str, Any]:
+    return {
+        "internvl_attention": internvl_attention(7),
+        "qwen2vl_attention": qwen2vl_attention(9),
+        **{f"fusion_{kind}": fusion(kind) for kind in ("llava", "internvl", "qwen2vl")},
+    }
+
+
+def auto_wrap() -> dict[str, Any]:
+    from transformers import LlamaConfig
+    from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
+    from transformers.models.internvl.modeling_internvl import InternVLVisionAttention
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
+
+    model = nn.Module()
+    model.vision = nn.ModuleList([InternVLVisionAttention(InternVLVisionConfig(hidden_size=32, num_attention_heads=4)),
+                                  VisionAttention(Qwen2VLVisionConfig(embed_dim=32, num_heads=4))])
+    model.decoder = LlamaAttention(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2), 0)
+    auto_wrap_model_for_sp(model, dist.group.WORLD)
+    first = [type(m).__name__ for m in (model.vision[0], model.vision[1], model.decoder)]
+    cls_flags = [model.vision[0].has_cls_token, model.vision[1].has_cls_token]
+    auto_wrap_model_for_sp(model, dist.group.WORLD)
+    second = [type(m).__name__ for m in (model.vision[0], model.vision[1], model.decoder)]
+    inner = [type(model.vision[0].attn).__name__, type(model.vision[1].attn).__name__]
+    return {"first": first, "second": second, "cls": cls_flags, "inner": inner}

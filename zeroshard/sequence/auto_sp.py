@@ -1,0 +1,53 @@
+"""AutoSP: wrap the vision-encoder attention of multimodal models for sequence parallelism.
+
+`auto_wrap_model_for_sp(model, process_group)` finds vision-encoder attention modules by class
+(InternVL's `InternVisionAttention` (remote code) and `InternVLVisionAttention`
+(transformers), which have a [CLS] token; Qwen2-VL's and Qwen2.5-VL's vision `VisionAttention`
+/ `Qwen2_5_VLVisionAttention`, which have none) and replaces each with
+`UlyssesSPViTAttention`. Decoder attention is left alone: Hugging Face decoders get Ulysses
+through `UlyssesSPAttentionHF.register_with_transformers` (ALST), so nothing is wrapped twice;
+wrapping an already wrapped model changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .autosp_vit import UlyssesSPViTAttention
+
+__all__ = ["auto_wrap_model_for_sp", "VISION_ATTENTION_CLASSES"]
+
+# class name -> has a [CLS] token. Qwen2-VL's `VisionAttention` is matched with its module, as
+# the name alone is generic.
+VISION_ATTENTION_CLASSES: dict[str, bool] = {
+    "InternVisionAttention": True,
+    "InternVLVisionAttention": True,
+    "Qwen2_5_VLVisionAttention": False,
+    "transformers.models.qwen2_vl.modeling_qwen2_vl.VisionAttention": False,
+}
+
+
+def _has_cls_token(module: nn.Module) -> bool | None:
+    cls = type(module)
+    for key in (f"{cls.__module__}.{cls.__qualname__}", cls.__name__):
+        if key in VISION_ATTENTION_CLASSES:
+            return VISION_ATTENTION_CLASSES[key]
+    return None
+
+
+def auto_wrap_model_for_sp(model: nn.Module, process_group: Any) -> nn.Module:
+    """Replace every vision-encoder attention in `model` with `UlyssesSPViTAttention` (in place);
+    returns `model`."""
+    targets = []
+    for parent in model.modules():
+        if isinstance(parent, UlyssesSPViTAttention):
+            continue
+        for name, child in parent.named_children():
+            has_cls = _has_cls_token(child)
+            if has_cls is not None:
+                targets.append((parent, name, child, has_cls))
+    for parent, name, child, has_cls in targets:
+        setattr(parent, name, UlyssesSPViTAttention(child, process_group, has_cls_token=has_cls))
+    return model

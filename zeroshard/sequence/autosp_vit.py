@@ -1,0 +1,122 @@
+"""Sequence parallelism for vision-encoder attention (AutoSP): `UlyssesSPViTAttention`.
+
+Vision-encoder attention is not causal (every patch attends to every patch) and the wrapped
+module is opaque (its q/k/v are computed inside), so the wrapper gathers the patches instead
+of exchanging heads: each rank's slice is all-gathered, the original attention runs on the
+whole patch sequence, and each rank keeps its own slice of the output. Everything outside
+attention (MLPs, norms) stays on 1/P of the patches.
+
+Slices may differ in length by any amount (P need not divide the patch count): lengths are
+exchanged first and the padding that makes the all-gather's pieces equal is removed before
+the attention sees the sequence, so no padding token is ever attended to and no mask needs
+patching. A `[CLS]` token (`has_cls_token=True`) is replicated: every rank holds it first in
+its slice, it is put once in front of the gathered patches, and every rank gets its output.
+
+Gradients: the gather is differentiable; a patch's input gradient is the sum over ranks of
+what each rank's output slice sent back to it. A replicated CLS token's gradient on each rank
+is its own rank's share, so the sum over ranks (what ZeRO's reduction takes) is the
+single-device gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import comm
+
+__all__ = ["UlyssesSPViTAttention", "gather_sequence"]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Concatenate every rank's slice along `dim` (slices of any length)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: comm.Group, dim: int) -> Tensor:
+        lengths = torch.tensor([x.shape[dim]], dtype=torch.long, device=x.device)
+        all_lengths = lengths.new_empty(group.size)
+        comm.all_gather(all_lengths, lengths, group=group, tag="sequence")
+        sizes = all_lengths.tolist()
+        longest = max(sizes)
+        moved = x.movedim(dim, 0)
+        padded = moved.new_zeros((longest, *moved.shape[1:]))
+        padded[: moved.shape[0]] = moved
+        gathered = padded.new_empty((group.size * longest, *moved.shape[1:]))
+        comm.all_gather(gathered, padded.contiguous(), group=group, tag="sequence")
+        pieces = [gathered[r * longest : r * longest + n] for r, n in enumerate(sizes)]
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return torch.cat(pieces).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        # Every rank's output depends on every slice: sum the gradients, keep this rank's rows.
+        total = grad.contiguous().clone()
+        comm.all_reduce(total, group=ctx.group, tag="sequence")
+        start = sum(ctx.sizes[: ctx.group.rank])
+        return total.narrow(ctx.dim, start, ctx.sizes[ctx.group.rank]), None, None
+
+
+def gather_sequence(x: Tensor, group: Any, dim: int) -> Tensor:
+    """Every rank's slice of `x` concatenated along `dim` in group-rank order (differentiable)."""
+    return _GatherSequence.apply(x, comm.as_group(group), dim)
+
+
+class UlyssesSPViTAttention(nn.Module):
+    """Wrap a vision-encoder attention module for sequence parallelism.
+
+    Args:
+        attn: the original attention; called as `attn(hidden_states, *args, **kwargs)` and
+            returning the output or a tuple whose first element is the output.
+        process_group: the sequence-parallel group (torch ProcessGroup or zeroshard Group).
+        has_cls_token: the first token of every slice is a replicated [CLS] token.
+
+    `hidden_states` is this rank's slice, `[batch, tokens, dim]` or `[tokens, dim]` (the
+    token dim is the second to last). Tensor arguments (also inside tuples, such as rotary
+    `position_embeddings`) with as many rows as the slice along that dim are gathered too.
+    """
+
+    def __init__(self, attn: nn.Module, process_group: Any, has_cls_token: bool = True) -> None:
+        super().__init__()
+        self.attn = attn
+        self.process_group = process_group
+        self.has_cls_token = has_cls_token
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        group = comm.as_group(self.process_group)
+        dim = hidden_states.dim() - 2
+        local = hidden_states.shape[dim]
+        first = 1 if self.has_cls_token else 0
+
+        def gathered(t: Any) -> Any:
+            if isinstance(t, tuple):
+                return tuple(gathered(v) for v in t)
+            if torch.is_tensor(t) and t.dim() >= 2 and t.shape[t.dim() - 2] == local and t is not hidden_states:
+                d = t.dim() - 2
+                rest = gather_sequence(t.narrow(d, first, local - first), group, d)
+                return torch.cat((t.narrow(d, 0, first), rest), d)
+            return t
+
+        patches = hidden_states.narrow(dim, first, local - first)
+        full = gather_sequence(patches, group, dim)
+        if first:
+            full = torch.cat((hidden_states.narrow(dim, 0, 1), full), dim)
+        args = tuple(gathered(a) for a in args)
+        kwargs = {k: gathered(v) for k, v in kwargs.items()}
+        result = self.attn(full, *args, **kwargs)
+        out, extra = (result[0], tuple(result[1:])) if isinstance(result, tuple) else (result, None)
+        # This rank's patches start after the CLS token and every earlier rank's patches.
+        sizes = _slice_lengths(local - first, group, out.device)
+        start = first + sum(sizes[: group.rank])
+        mine = out.narrow(dim, start, local - first)
+        if first:
+            mine = torch.cat((out.narrow(dim, 0, 1), mine), dim)
+        return mine if extra is None else (mine, *extra)
+
+
+def _slice_lengths(n: int, group: comm.Group, device: torch.device) -> list[int]:
+    lengths = torch.tensor([n], dtype=torch.long, device=device)
+    everyone = lengths.new_empty(group.size)
+    comm.all_gather(everyone, lengths, group=group, tag="sequence")
+    return everyone.tolist()
