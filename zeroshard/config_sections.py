@@ -368,13 +368,16 @@ class TorchAutocastConfig(_Section):
 
 
 class DataTypesConfig(_Section):
-    """``data_types``: ``grad_accum_dtype`` (None lets the precision plan choose, fp32) and
-    ``buffer_dtype`` (None: floating buffers keep their own dtype in every mode)."""
+    """``data_types``: ``grad_accum_dtype`` (None lets the precision plan choose, fp32),
+    ``buffer_dtype`` (None: floating buffers keep their own dtype in every mode) and
+    ``param_dtype`` (None, or the dtype the enabled mode gives parameters: fp16, bf16, else fp32)."""
 
     grad_accum_dtype: str | None = None
     buffer_dtype: str | None = None
+    # DeepSpeed 0.19: a restatement of the mode's parameter dtype, checked by resolve_config.
+    param_dtype: str | None = None
 
-    @field_validator("grad_accum_dtype", "buffer_dtype")
+    @field_validator("grad_accum_dtype", "buffer_dtype", "param_dtype")
     @classmethod
     def _check_dtype(cls, value: str | None) -> str | None:
         return _validate_dtype_name(value)
