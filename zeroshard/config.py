@@ -106,6 +106,8 @@ class ZeroshardConfig(_Section):
     train_batch_size: JsonInt | None = Field(None, ge=1)
     train_micro_batch_size_per_gpu: JsonInt | None = Field(None, ge=1)
     gradient_accumulation_steps: JsonInt | None = Field(None, ge=1)
+    # False: every engine.step() is the accumulation boundary (DeepSpeed 0.19's unmanaged mode).
+    managed_gradient_accumulation: bool = True
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     gradient_clipping: float = Field(1.0, ge=0)

@@ -23,6 +23,7 @@ from . import comm, full_tensors
 from .autocast import forward_context
 from .backward import BackwardCoordinator, wrap_outputs
 from .config import ZeroshardConfig
+from .engine_api import EngineAPI
 from .flat import FlatParamGroup
 from .grad_reduce import GradientReducer
 from .loss_scale import make_loss_scaler
@@ -68,7 +69,7 @@ def _optimizer_groups(
     return hyper, group_of
 
 
-class Engine:
+class Engine(EngineAPI):
     """A model wrapped for ZeRO data-parallel training (DeepSpeed's engine surface)."""
 
     def __init__(
@@ -97,6 +98,11 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.global_samples = 0
+        self._step_applied = False
+        self._in_step = False  # the boundary, with managed_gradient_accumulation false
+        self._backwards_at_last_step = 0
+        self._backward_prescaled = False
         self._boundary_override: bool | None = None
         self._global_grad_norm: float | None = None
         self._post_clip_grad_norm: float | None = None
@@ -129,7 +135,8 @@ class Engine:
             reduce_unit=self._reduce_unit,
             on_unit_done=self._after_unit_backward,
             end_of_backward=self._end_of_backward,
-            loss_scale=lambda: self.loss_scaler.scale,
+            # A backward of a loss from `engine.scale` is scaled already (engine_api.py).
+            loss_scale=lambda: 1.0 if self._backward_prescaled else self.loss_scaler.scale,
             reduces_now=self._reduces_now,
         )
         self._hook_handles: list[Any] = []
@@ -353,15 +360,25 @@ class Engine:
     __call__ = forward
 
     # --------------------------------------------------------------- backward
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, **kwargs: Any) -> torch.Tensor:
-        """`loss.backward()` with the engine's loss scaling; the same as calling it yourself."""
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True, **kwargs: Any
+    ) -> torch.Tensor:
+        """`loss.backward()` with the engine's loss scaling; the same as calling it yourself.
+
+        Every backward's gradient is divided by `gradient_accumulation_steps` (in the
+        reduction); `scale_wrt_gas=False` leaves this one's undivided, as DeepSpeed's argument
+        does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
+        """
+        accumulation = self.config.gradient_accumulation_steps
         before = self._coordinator.backward_count
-        loss.backward(retain_graph=retain_graph, **kwargs)
+        (loss if scale_wrt_gas or accumulation == 1 else loss * accumulation).backward(
+            retain_graph=retain_graph, **kwargs
+        )
         if self._coordinator.backward_count == before:
             # Nothing in the model took part (no hook fired): still run the epilogue, so this
             # rank issues the same collectives as ranks whose loss did reach the model.
             self._coordinator.run_epilogue()
-        return loss
+        return loss / accumulation if scale_wrt_gas else loss
 
     def _reduce_unit(self, unit: Unit) -> None:
         """Queue a unit's local gradients for reduction (a full bucket is reduced at once,
@@ -413,25 +430,44 @@ class Engine:
             self._coordinator.sync_enabled = previous
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if not self.config.managed_gradient_accumulation:
+            return self._in_step  # unmanaged: step() is the boundary
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        if not self.config.managed_gradient_accumulation:
+            raise RuntimeError(
+                "set_gradient_accumulation_boundary(): with managed_gradient_accumulation false, every "
+                "engine.step() is the boundary. Call step() when the accumulation ends, or set "
+                "managed_gradient_accumulation to true."
+            )
         self._boundary_override = bool(is_boundary)
 
     # ------------------------------------------------------------------- step
     def step(self) -> None:
-        """The optimizer step, at the accumulation boundary only."""
-        if self.is_gradient_accumulation_boundary():
-            if self.optimizer is None:
-                raise RuntimeError(
-                    "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
-                )
-            if self._needs_flush:
-                self._flush()
-            self._take_optimizer_step()
-            self.global_steps += 1
+        """The optimizer step, at the accumulation boundary only (with
+        managed_gradient_accumulation false, every step() is the boundary)."""
+        if not self._coordinator.sync_enabled:
+            raise RuntimeError("engine.step() inside no_sync(): leave the with-block first.")
+        self._step_applied = False
+        self._in_step = True
+        try:
+            if self.is_gradient_accumulation_boundary():
+                if self.optimizer is None:
+                    raise RuntimeError(
+                        "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
+                    )
+                if self._needs_flush:
+                    self._flush()
+                skipped = self.skipped_steps
+                self._take_optimizer_step()
+                self._step_applied = self.skipped_steps == skipped
+                self.global_steps += 1
+                self._count_samples()
+        finally:
+            self._in_step = False
         self.micro_steps += 1
 
     def _take_optimizer_step(self) -> None:
