@@ -432,6 +432,8 @@ class Engine(EngineAPI):
     def is_gradient_accumulation_boundary(self) -> bool:
         if not self.config.managed_gradient_accumulation:
             return self._in_step  # unmanaged: step() is the boundary
+        if self._coalesced:
+            return True  # the step after a coalesce_grad_reduction block
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -450,7 +452,8 @@ class Engine(EngineAPI):
         """The optimizer step, at the accumulation boundary only (with
         managed_gradient_accumulation false, every step() is the boundary)."""
         if not self._coordinator.sync_enabled:
-            raise RuntimeError("engine.step() inside no_sync(): leave the with-block first.")
+            block = "coalesce_grad_reduction()" if getattr(self, "_in_coalesce", False) else "no_sync()"
+            raise RuntimeError(f"engine.step() inside {block}: leave the with-block first.")
         self._step_applied = False
         self._in_step = True
         try:
@@ -468,6 +471,7 @@ class Engine(EngineAPI):
                 self._count_samples()
         finally:
             self._in_step = False
+            self._coalesced = False
         self.micro_steps += 1
 
     def _take_optimizer_step(self) -> None:

@@ -2,11 +2,13 @@
 
 `EngineAPI` is mixed into `Engine` (engine.py orchestrates; these are the small accessors and
 controls a DeepSpeed script calls): the config queries, `scale`, `was_step_applied`,
-`destroy` and `empty_partition_cache`.
+`destroy`, `empty_partition_cache` and `coalesce_grad_reduction`.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +51,7 @@ class EngineAPI:
     config: ZeroshardConfig
     _backward_prescaled: bool = False  # set during a backward of a loss from `scale`
     _step_applied: bool = False
+    _coalesced: bool = False  # a coalesce_grad_reduction block ended: the next step() is the boundary
 
     # ----------------------------------------------------------------- config
     def fp16_enabled(self) -> bool:
@@ -125,3 +128,29 @@ class EngineAPI:
         self._coordinator.remove()
         for unit in self.units:
             unit.free()
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """One with-block is one optimizer step: every backward inside keeps its gradients
+        local (no communication), the exit reduces their sum once, and the `step()` after the
+        block is the accumulation boundary. ZeRO stages 1-3, as DeepSpeed; `step()` inside the
+        block is an error, and so is nesting it in `no_sync()`."""
+        if not self.config.managed_gradient_accumulation:
+            raise RuntimeError(
+                "coalesce_grad_reduction(): with managed_gradient_accumulation false, step() already "
+                "decides the boundary; call backward several times, then step()."
+            )
+        if self.config.zero_optimization.stage == 0:
+            raise NotImplementedError("coalesce_grad_reduction() needs ZeRO stage 1, 2 or 3 (as in DeepSpeed).")
+        coordinator = self._coordinator
+        if not coordinator.sync_enabled:
+            raise RuntimeError("coalesce_grad_reduction() cannot be nested in no_sync() or in itself.")
+        coordinator.sync_enabled = False
+        self._in_coalesce = True
+        try:
+            yield
+        finally:
+            coordinator.sync_enabled = True
+            self._in_coalesce = False
+        self._flush()  # one reduction pass, the same collectives on every rank
+        self._coalesced = True

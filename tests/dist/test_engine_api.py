@@ -7,6 +7,8 @@
   (k = 2: dividing and multiplying by 2 is exact).
 * `managed_gradient_accumulation: false`: k backwards then one `step()` is one update with the
   sum of the k gradients over world x k, as the one-process reference computes it.
+* `with engine.coalesce_grad_reduction():` two backwards, no gradient collective inside, one
+  reduction on exit: the update of the summed gradient, as the reference computes it (1-3).
 * `was_step_applied`, `global_samples`, the config queries, `empty_partition_cache`, `destroy`.
 """
 
@@ -31,6 +33,8 @@ def api_cases() -> list[Case]:
                 extra = {"managed_gradient_accumulation": False} if style == "unmanaged" else {}
                 cases.append(Case(stage=stage, mode=mode, ga=2, steps=2, style=style, extra=extra,
                                   keep=("master",) if style == "unmanaged" else ("master", "grad0")))
+            if stage > 0:  # coalesce_grad_reduction: ZeRO 1-3, two backwards per step
+                cases.append(Case(stage=stage, mode=mode, ga=1, steps=2, style="coalesce", keep=("master", "grad0")))
     return cases
 
 
@@ -47,7 +51,8 @@ def test_each_loop_matches_the_reference(api_results) -> None:
 
     def check(index: int, case: Case):
         def run() -> None:
-            check_against_reference(per_rank[0][index], reference_for(case, 2), case.mode, case.settings,
+            ref = reference_for(case, 2, loss_terms=2 if case.style == "coalesce" else 1)
+            check_against_reference(per_rank[0][index], ref, case.mode, case.settings,
                                     world_losses(per_rank, index), case.label)
 
         return run

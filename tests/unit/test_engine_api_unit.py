@@ -79,3 +79,17 @@ def test_global_samples_survive_a_checkpoint(tmp_path):
     older = make_engine(train_micro_batch_size_per_gpu=3)
     older.load_checkpoint(tmp_path)
     assert older.global_samples == 2 * 3 * 2
+
+
+def test_coalesce_grad_reduction_needs_zero_1_to_3_and_managed_accumulation():
+    with pytest.raises(NotImplementedError, match="stage 1, 2 or 3"):
+        with make_engine().coalesce_grad_reduction():
+            pass
+    unmanaged = make_engine(managed_gradient_accumulation=False, zero_optimization={"stage": 1})
+    with pytest.raises(RuntimeError, match="managed_gradient_accumulation false"):
+        with unmanaged.coalesce_grad_reduction():
+            pass
+    engine = make_engine(zero_optimization={"stage": 1})
+    with engine.no_sync(), pytest.raises(RuntimeError, match="cannot be nested"):
+        with engine.coalesce_grad_reduction():
+            pass

@@ -16,6 +16,7 @@ from tests.dist.scenarios.common import (
     my_micro_batch,
     train,
 )
+from zeroshard import comm
 
 
 def scaled_step(engine, case: Case, batch) -> list[float]:
@@ -82,20 +83,49 @@ def unmanaged_step(engine, case: Case, batch) -> list[float]:
     return losses
 
 
+def coalesce_step(engine, case: Case, batch) -> list[float]:
+    """Two backward calls inside `engine.coalesce_grad_reduction()` (accumulation 1): no
+    gradient collective inside the block, one reduction on exit; step() inside is refused."""
+    losses = []
+    with engine.coalesce_grad_reduction():
+        with comm.recording() as inside:
+            for j in range(2):
+                tokens, targets = my_micro_batch(batch, j, case)
+                loss = engine(tokens, targets)
+                engine.backward(loss)
+                losses.append(detached(loss))
+        try:
+            engine.step()
+        except RuntimeError as exc:
+            assert "coalesce_grad_reduction" in str(exc), str(exc)
+        else:
+            raise AssertionError("step() inside coalesce_grad_reduction must be refused")
+        with comm.recording() as exit_log:
+            pass
+    grads_inside = [r for r in inside.records if r.tag == "grad"]
+    assert not grads_inside, f"gradient collectives inside the block: {grads_inside}"
+    assert not exit_log.records
+    assert engine.is_gradient_accumulation_boundary(), "the step after the block is the boundary"
+    return losses
+
+
 STYLES = {
     "engine": engine_loop_step,
     "scaled": scaled_step,
     "scaled_then_plain": scaled_then_plain_step,
     "no_gas_scaling": no_gas_scaling_step,
     "unmanaged": unmanaged_step,
+    "coalesce": coalesce_step,
 }
+BACKWARD_CALLS = {"coalesce": 2}
 
 
 def run_api_cases(cases: list[Case]) -> list[dict[str, Any]]:
     results = []
     for case in cases:
         engine = build_engine(case)
-        results.append(train(engine, case, STYLES[case.style], case_batches(case)))
+        batches = case_batches(case, BACKWARD_CALLS.get(case.style, 1))
+        results.append(train(engine, case, STYLES[case.style], batches))
     return results
 
 
