@@ -94,7 +94,9 @@ class Engine(EngineAPI):
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        self.module = model.to(self.device)
+        # Stage 3: the trainable parameters reach the device flat by flat, each sharded before
+        # the next is built, so the device never holds the whole model (zero_init.py).
+        self.module = model if not self.policy.keep_full_params else model.to(self.device)
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -116,6 +118,7 @@ class Engine(EngineAPI):
             hyper, group_of = muon.split_param_groups(model, hyper, group_of, params_cfg)
         self._cast_module(model)
         self.units = self._build_units(model, group_of)
+        model.to(self.device)  # frozen parameters and buffers (a no-op for what the flats hold)
         self.flats = [f for unit in self.units for f in unit.flats]
         self._reducer = GradientReducer(
             self.flats,

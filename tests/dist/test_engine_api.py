@@ -121,3 +121,22 @@ def test_empty_partition_cache_changes_nothing_and_destroy_unhooks(counter_resul
     assert out["states_after"] == (["sharded"] if stage == 3 else ["unsharded"])
     if stage < 3:
         assert out["grads"] and all(out["grads"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_init_builds_a_model_that_trains_as_without_it(dist_pool, stage) -> None:
+    out = dist_pool(2).run("tests.dist.scenarios.engine_api:zero_init", stage, timeout=TIMEOUT_S)[0]
+    assert out["stage"] == stage
+    for step in range(2):
+        assert torch.equal(flat_cat(out["inside"][step]), flat_cat(out["plain"][step])), step
+    # Stage 3: between steps every trainable parameter is a shard only (its full storage empty).
+    assert out["empty_storage"] == ([True] if stage == 3 else [False])
+
+
+def test_zero_init_checks_its_config() -> None:
+    import zeroshard
+
+    with pytest.raises(zeroshard.DeepSpeedConfigError, match="stage"):
+        zeroshard.zero.Init(config_dict_or_path={"zero_optimization": {"stage": "3"}})
+    with zeroshard.zero.Init(enabled=False, config_dict_or_path={"zero_optimization": {"stage": "3"}}) as ctx:
+        assert ctx.config is None

@@ -186,3 +186,20 @@ def partition_cache_and_destroy(stage: int) -> dict[str, Any]:
         engine.module(tokens, targets).backward()
         grads = [p.grad is not None for p in engine.module.parameters() if p.requires_grad and p.grad is not None]
     return {"plain": plain["master"], "emptied": emptied["master"], "states_after": states_after, "grads": grads}
+
+
+def zero_init(stage: int) -> dict[str, Any]:
+    """A model built under `zeroshard.zero.Init` trains exactly as one built without it."""
+    import zeroshard
+    from tests.dist.reference import build_model
+    from tests.dist.scenarios.common import engine_config
+
+    case = Case(stage=stage, mode="fp32", ga=1, steps=2, keep=("master",))
+    config = engine_config(case)
+    with zeroshard.zero.Init(config_dict_or_path=config) as ctx:
+        model = build_model(case.seed)
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    inside = train(engine, case, engine_loop_step, case_batches(case))
+    plain = train(build_engine(case), case, engine_loop_step, case_batches(case))
+    storage = sorted({p.untyped_storage().nbytes() == 0 for p in engine.module.parameters() if p.requires_grad})
+    return {"stage": ctx.stage, "inside": inside["master"], "plain": plain["master"], "empty_storage": storage}
