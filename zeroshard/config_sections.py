@@ -383,6 +383,24 @@ class DataTypesConfig(_Section):
         return _validate_dtype_name(value)
 
 
+# DeepSpeed 0.19's default leaf classes: Hugging Face MoE blocks whose experts run data-dependently.
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+class LeafModuleConfig(_Section):
+    """``zero_optimization.leaf_module``: modules marked as stage-3 leaves at initialize
+    (zeroshard/utils/z3_leaf_module.py): by class (bare or dotted name), by module name as
+    ``named_modules`` gives it, or by the end of that name."""
+
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+
 class ZeroConfig(_Section):
     """``zero_optimization``: the ZeRO stage and bucket sizes (element counts).
 
@@ -423,7 +441,9 @@ class ZeroConfig(_Section):
     enable_sanity_checks: bool = False
     save_muon_momentum_buffer_in_memory: bool = False
     cpu_offload_use_pin_memory: bool | None = None
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
+    UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"leaf_module"})
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
         {
             "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
@@ -465,7 +485,6 @@ class ZeroConfig(_Section):
         "mics_hierarchical_params_gather": _Unsupported(_equals(False), "MiCS is not implemented."),
         "zenflow": _Unsupported(_empty, "ZenFlow is not implemented; remove it."),
         "legacy_stage1": _Unsupported(_equals(False), "Remove it."),
-        "leaf_module": _Unsupported(_empty, "Use zeroshard.unit_module_classes to choose units."),
     }
 
     @property

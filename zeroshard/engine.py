@@ -33,6 +33,7 @@ from .publish import publish_masters
 from .stages import stage_policy
 from .unit import Unit
 from .units import plan_units
+from .utils.z3_leaf_module import apply_leaf_module_config
 
 logger = logging.getLogger("zeroshard")
 
@@ -117,6 +118,7 @@ class Engine(EngineAPI):
             params_cfg = config.optimizer.params if optimizer is None else None
             hyper, group_of = muon.split_param_groups(model, hyper, group_of, params_cfg)
         self._cast_module(model)
+        apply_leaf_module_config(model, config.zero_optimization.leaf_module)
         self.units = self._build_units(model, group_of)
         model.to(self.device)  # frozen parameters and buffers (a no-op for what the flats hold)
         self.flats = [f for unit in self.units for f in unit.flats]

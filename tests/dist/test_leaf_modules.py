@@ -51,3 +51,39 @@ def test_plan_units_never_splits_a_leaf() -> None:
     with pytest.raises(ValueError, match="no module of"):
         set_z3_leaf_modules(model, [torch.nn.Conv2d])
     assert set_z3_leaf_modules(model, [Expert], raise_if_not_found=False) == list(model.moe.experts)
+
+
+@pytest.mark.parametrize(
+    "leaf_module",
+    [{"classes": ["MoEBlock"]}, {"classes": ["tests.dist.scenarios.leaf_modules.MoEBlock"]},
+     {"classes": [], "names": ["moe"]}, {"classes": [], "name_suffixes": ["oe"]}],
+)
+def test_the_leaf_module_config_marks_leaves_at_initialize(leaf_module) -> None:
+    import zeroshard
+    from tests.dist.scenarios.leaf_modules import Net
+
+    model = Net()
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), dist_init_required=False,
+        config={"train_micro_batch_size_per_gpu": 1, "zeroshard": {"unit_module_classes": ["Expert"]},
+                "zero_optimization": {"stage": 3, "leaf_module": leaf_module}},
+    )
+    assert z3_leaf_module(model.moe)
+    assert [u.name for u in engine.units] == ["<root>", "moe"]
+
+
+def test_the_leaf_module_config_defaults_to_deepspeeds_classes_and_checks_names() -> None:
+    import zeroshard
+    from tests.dist.scenarios.leaf_modules import Net
+    from zeroshard.resolve import resolve_config
+
+    classes = resolve_config({}).zero_optimization.leaf_module.classes
+    assert classes == ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                       "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                       "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"]
+    model = Net()
+    with pytest.raises(ValueError, match=r"no module named \['mo'\]"):
+        zeroshard.initialize(model=model, model_parameters=model.parameters(), dist_init_required=False,
+                             config={"zero_optimization": {"stage": 3, "leaf_module": {"names": ["mo"]}}})
+    with pytest.raises(zeroshard.DeepSpeedConfigError, match="must be a list"):
+        resolve_config({"zero_optimization": {"leaf_module": {"classes": "MoEBlock"}}})

@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 __all__ = [
+    "apply_leaf_module_config",
     "get_z3_leaf_modules",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
@@ -67,3 +68,21 @@ def unset_z3_leaf_modules(
 ) -> list[nn.Module]:
     """Undo `set_z3_leaf_modules` for these classes."""
     return _mark(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def apply_leaf_module_config(model: nn.Module, leaf_config) -> list[nn.Module]:
+    """Mark the modules ``zero_optimization.leaf_module`` names (classes, names, name suffixes)
+    as leaves; initialize calls this before planning the units. Returns the modules marked."""
+    marked = _mark(model, list(leaf_config.classes), True, raise_if_not_found=False)
+    names, suffixes = set(leaf_config.names), tuple(leaf_config.name_suffixes)
+    for name, module in model.named_modules():
+        if name and (name in names or (suffixes and name.endswith(suffixes))):
+            set_z3_leaf_module(module, True)
+            marked.append(module)
+    missing = names - {n for n, _ in model.named_modules()}
+    if missing:
+        raise ValueError(
+            f"zero_optimization.leaf_module.names: no module named {sorted(missing)} in the model. "
+            "Use the names model.named_modules() gives."
+        )
+    return marked
