@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zeroshard import _compat
+
 DEFAULT_SIZES = "50000,200000,800000,1240000,2400000,10000000"
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce_pieces")
 
@@ -37,9 +39,9 @@ def _call(op: str, full: torch.Tensor, shard: torch.Tensor, pieces: int) -> None
     if op == "all_reduce":
         dist.all_reduce(full)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_single(shard, full)
+        _compat.reduce_scatter_single(shard, full)
     elif op == "all_gather":
-        dist.all_gather_single(full, shard)
+        _compat.all_gather_single(full, shard)
     else:
         works = [dist.all_reduce(chunk, async_op=True) for chunk in full.chunk(pieces)]
         for work in works:

@@ -3,6 +3,7 @@
     python benchmarks/interleaved.py                           # W=2, fp32, ddp,s0,s1,s2,s3
     python benchmarks/interleaved.py --world-size 4 --mode bf16 --steps 20
     python benchmarks/interleaved.py --config-extra '{"zero_optimization": {"reduce_bucket_size": 200000}}'
+    python benchmarks/interleaved.py --device cuda --mode bf16   # NCCL, one GPU per rank
     git worktree add /tmp/before <commit>                      # before/after a change:
     python benchmarks/interleaved.py --zeroshard-root /tmp/before --json before.json
 
@@ -18,6 +19,11 @@ The workload is peers.py's (benchmarks/peers_workload.py): the demo GPT at --mod
 synthetic text and batches, AdamW, clipping at 1.0. Each step starts after a barrier and
 counts as its slowest rank's time; forward / backward / step phases are rank 0's. Prints a
 table and writes JSON. A benchmark, not a test: nothing asserts.
+
+With `--device cuda` the ranks use cuda:rank and NCCL, batches are on the GPU, each step is
+timed between two `torch.cuda.synchronize()` calls (phases by CUDA events), and the table adds
+each engine's GPU memory: the peak during its step above what was allocated before it (every
+engine's states live in the same processes, so absolute peaks are peers.py's to measure).
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import torch.multiprocessing as mp
 HERE = Path(__file__).resolve().parent
 
 
-def _ddp_runner(workload, mode: str):
+def _ddp_runner(workload, mode: str, device: torch.device):
+    from peers_device import PhaseClock, autocast
     from peers_workload import ADAMW_KWARGS, GRADIENT_CLIPPING, build_model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -47,21 +54,24 @@ def _ddp_runner(workload, mode: str):
     model = build_model(workload)
     if mode == "bf16":
         model = model.to(torch.bfloat16)
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_KWARGS)
+    model = model.to(device)
+    on_cuda = device.type == "cuda"
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if on_cuda else None, gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_KWARGS, **({"fused": True} if on_cuda else {}))
 
     def step(x, y):
-        autocast = torch.autocast("cpu", torch.bfloat16, enabled=(mode == "autocast"))
-        t0 = time.perf_counter()
-        with autocast:
+        clock = PhaseClock(device)
+        clock.mark()
+        with autocast(device, mode == "autocast"):
             _, loss = ddp(x, y)
-        t1 = time.perf_counter()
+        clock.mark()
         loss.backward()
-        t2 = time.perf_counter()
+        clock.mark()
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRADIENT_CLIPPING)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return [t1 - t0, t2 - t1, time.perf_counter() - t2]
+        clock.mark()
+        return clock.seconds()
 
     return step
 
@@ -75,7 +85,7 @@ def _merge(config: dict, extra: dict) -> dict:
     return config
 
 
-def _zeroshard_runner(workload, mode: str, stage: int, extra: dict):
+def _zeroshard_runner(workload, mode: str, stage: int, extra: dict, device: torch.device):
     from peers_engines import _engine_config, deepspeed_style_step
     from peers_workload import build_model
 
@@ -84,14 +94,18 @@ def _zeroshard_runner(workload, mode: str, stage: int, extra: dict):
     model = build_model(workload)
     config = _merge(_engine_config(workload, mode, stage), extra)
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return lambda x, y: deepspeed_style_step(engine, x, y)[1]
+    return lambda x, y: deepspeed_style_step(engine, x, y, device=device)[1]
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     for path in (str(HERE), args.zeroshard_root):  # zeroshard from --zeroshard-root first
         sys.path.insert(0, path)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
+    os.environ["LOCAL_RANK"] = str(rank)  # one machine: zeroshard picks cuda:rank from it
+    from peers_device import init_group, synchronize
+
+    device = init_group(args.device, rank, args.world_size, f"tcp://127.0.0.1:{port}")
+    on_cuda = device.type == "cuda"
     from peers_workload import BatchPlan, Workload
 
     workload = Workload(args.model, args.world_size, args.global_batch, args.steps, args.warmup)
@@ -99,22 +113,31 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     names = args.engines.split(",")
     extra = json.loads(args.config_extra)
     runners = {
-        n: _ddp_runner(workload, args.mode) if n == "ddp" else _zeroshard_runner(workload, args.mode, int(n[1:]), extra)
+        n: _ddp_runner(workload, args.mode, device) if n == "ddp"
+        else _zeroshard_runner(workload, args.mode, int(n[1:]), extra, device)
         for n in names
     }
     times: dict[str, list[float]] = {n: [] for n in names}
     phases: dict[str, list[list[float]]] = {n: [] for n in names}
+    step_peaks: dict[str, list[float]] = {n: [] for n in names}  # CUDA: MiB above the step's start
     for i in range(workload.total_steps):
-        x, y = plan.batch(i, rank)
+        x, y = (t.to(device) for t in plan.batch(i, rank))
         for name, step in runners.items():
             dist.barrier()
+            synchronize(device)
+            if on_cuda:
+                resting = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             phase = step(x, y)
-            elapsed = torch.tensor([time.perf_counter() - start])
+            synchronize(device)
+            elapsed = torch.tensor([time.perf_counter() - start], device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= workload.warmup:
                 times[name].append(elapsed.item() * 1e3)
                 phases[name].append([p * 1e3 for p in phase])
+                if on_cuda:
+                    step_peaks[name].append((torch.cuda.max_memory_allocated(device) - resting) / 2**20)
     if rank == 0:
         import zeroshard
 
@@ -124,8 +147,11 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             median = statistics.median(times[name])
             fwd, bwd, opt = (statistics.median(p[j] for p in phases[name]) for j in range(3))
             rows.append({"engine": name, "step_ms": median, "ratio": median / base,
-                         "forward_ms": fwd, "backward_ms": bwd, "step_phase_ms": opt})
+                         "forward_ms": fwd, "backward_ms": bwd, "step_phase_ms": opt,
+                         "step_peak_over_resting_mib": max(step_peaks[name]) if step_peaks[name] else None})
         meta = {"world_size": args.world_size, "mode": args.mode, "model": args.model, "steps": args.steps,
+                "device": args.device, "gpu": torch.cuda.get_device_name(device) if on_cuda else None,
+                "cuda_max_memory_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20 if on_cuda else None,
                 "config_extra": extra,
                 "zeroshard": str(Path(zeroshard.__file__).parent.parent), "torch": torch.__version__,
                 "load_average": os.getloadavg()}
@@ -137,6 +163,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "autocast", "fp16"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r")
     parser.add_argument("--engines", default="ddp,s0,s1,s2,s3", help="ddp and/or sN (zeroshard stage N); "
                         "ratios are to the first")
     parser.add_argument("--config-extra", default="{}", help="JSON merged into every zeroshard config, e.g. "
@@ -149,17 +177,27 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29641)
     parser.add_argument("--json", default=str(HERE / "results" / "interleaved.json"))
     args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    from peers_device import check_device
+
+    problem = check_device(args.device, args.world_size)
+    if problem:
+        parser.error(problem)
     args.zeroshard_root = str(Path(args.zeroshard_root).resolve())
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     mp.start_processes(_rank_main, args=(args, args.port), nprocs=args.world_size, start_method="spawn")
     result = json.loads(Path(args.json).read_text())
     meta = result["meta"]
     print(f"{meta['mode']}, W={meta['world_size']}, {meta['model']}, {meta['steps']} steps, "
-          f"zeroshard from {meta['zeroshard']}, config extra {json.dumps(meta['config_extra'])}")
-    print(f"{'engine':>7} {'step ms':>8} {'ratio':>6} {'fwd':>7} {'bwd':>7} {'step':>7}")
+          f"zeroshard from {meta['zeroshard']}, config extra {json.dumps(meta['config_extra'])}"
+          + (f", {meta['gpu']}" if meta.get("gpu") else ""))
+    gpu = meta.get("gpu") is not None
+    print(f"{'engine':>7} {'step ms':>8} {'ratio':>6} {'fwd':>7} {'bwd':>7} {'step':>7}"
+          + (f" {'step peak MiB':>13}" if gpu else ""))
     for r in result["rows"]:
         print(f"{r['engine']:>7} {r['step_ms']:>8.1f} {r['ratio']:>6.3f} {r['forward_ms']:>7.1f} "
-              f"{r['backward_ms']:>7.1f} {r['step_phase_ms']:>7.1f}")
+              f"{r['backward_ms']:>7.1f} {r['step_phase_ms']:>7.1f}"
+              + (f" {r['step_peak_over_resting_mib']:>13.1f}" if gpu else ""))
     print(f"wrote {args.json}", file=sys.stderr)
 
 

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo, CPU batches (default); cuda: NCCL, one GPU per rank (see peers_device.py)")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="AdamW for every engine (default), or Muon for zeroshard (peers then not run)")
     # Orchestrator only.
@@ -80,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.world_size < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--world-size and --steps must be >= 1 and --warmup >= 0")
+    if args.device != "cpu" and not args.report_only:
+        from peers_device import check_device
+
+        problem = check_device(args.device, args.world_size)
+        if problem:
+            p.error(problem)
     return args
 
 
@@ -137,7 +145,7 @@ def _command(args: argparse.Namespace, cell: dict[str, Any], result_file: Path, 
         "--engine", cell["engine"], "--mode", cell["mode"], "--model", args.model,
         "--world-size", str(args.world_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--global-batch", str(args.global_batch), "--seed", str(args.seed), "--optimizer", args.optimizer,
-        "--result-file", str(result_file),
+        "--device", args.device, "--result-file", str(result_file),
     ]
     if cell["stage"] is not None:
         cmd += ["--stage", str(cell["stage"])]
@@ -148,13 +156,14 @@ def _command(args: argparse.Namespace, cell: dict[str, Any], result_file: Path, 
     return cmd
 
 
-def _child_env(world_size: int) -> dict[str, str]:
+def _child_env(world_size: int, device: str = "cpu") -> dict[str, str]:
     env = dict(os.environ)
     cores = os.cpu_count() or 1
     # The same threads per process for every engine (and the floor): the cores shared by W ranks.
     env["OMP_NUM_THREADS"] = str(max(1, cores // world_size))
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    env.setdefault("DS_BUILD_OPS", "0")
+    if device == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("DS_BUILD_OPS", "0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH", "")) if p)
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
@@ -180,7 +189,7 @@ def run_cell(args: argparse.Namespace, cell: dict[str, Any], out_dir: Path) -> N
         load_before = os.getloadavg()[0]
         start = time.time()
         try:
-            proc = subprocess.run(cmd, env=_child_env(args.world_size), capture_output=True, text=True,
+            proc = subprocess.run(cmd, env=_child_env(args.world_size, args.device), capture_output=True, text=True,
                                   timeout=args.timeout)
             returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as exc:
@@ -210,7 +219,7 @@ def _prepare_deepspeed(args: argparse.Namespace, console: Any) -> str | None:
     console.print("[dim]preparing DeepSpeed (JIT build of its CPU comm op on first use)...[/dim]")
     code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
     try:
-        proc = subprocess.run([sys.executable, "-c", code], env=_child_env(args.world_size),
+        proc = subprocess.run([sys.executable, "-c", code], env=_child_env(args.world_size, args.device),
                               capture_output=True, text=True, timeout=max(args.timeout, 900))
     except subprocess.TimeoutExpired:
         return "DeepSpeed's CPU comm op did not build within the time limit"
@@ -229,7 +238,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     args.profile_labels = {s.strip() for s in args.profile.split(",") if s.strip()}
     cells = plan_cells(args)
-    ds_cells = [c for c in cells if c["engine"] == "deepspeed" and c["status"] == "pending"]
+    ds_cells = [c for c in cells if c["engine"] == "deepspeed" and c["status"] == "pending" and args.device == "cpu"]
     if ds_cells:
         problem = _prepare_deepspeed(args, console)
         for c in ds_cells if problem else []:
@@ -262,6 +271,7 @@ def _meta(args: argparse.Namespace, name: str, loads: list[float], wall_s: float
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
         "torch": _torch_version(), "deepspeed": _version("deepspeed"),
+        "device": args.device, "gpu": _gpu_name(args.device),
         "world_size": args.world_size, "model": args.model, "steps": args.steps, "warmup": args.warmup,
         "global_batch": args.global_batch, "repeat": args.repeat,
         "omp_num_threads": max(1, (os.cpu_count() or 1) // args.world_size),
@@ -294,7 +304,8 @@ def report(args: argparse.Namespace, name: str) -> int:
     rows = summarise(cells)
     title = (f"{meta.get('model', args.model)}, W={meta.get('world_size', args.world_size)}, "
              f"{meta.get('steps', args.steps)} steps, global batch {meta.get('global_batch', args.global_batch)}, "
-             f"OMP threads {meta.get('omp_num_threads')}, torch {meta.get('torch')}")
+             f"OMP threads {meta.get('omp_num_threads')}, torch {meta.get('torch')}"
+             + (f", {meta['gpu']}" if meta.get("gpu") else ""))
     print_table(rows, title)
     write_json(results_dir / f"{name}.json", meta, rows, cells)
     (results_dir / f"{name}.md").write_text(f"{title}\n\n" + markdown_table(rows))
@@ -326,6 +337,14 @@ def _version(package: str) -> str | None:
         return version(package)
     except Exception:  # noqa: BLE001 - not installed
         return None
+
+
+def _gpu_name(device: str) -> str | None:
+    if device != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def _torch_version() -> str:

@@ -12,11 +12,11 @@ theory). `unsupported(engine, mode)` says why a combination is not run.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from peers_device import PhaseClock, autocast
 from peers_measure import (
     StorageCounter,
     optimizer_state_tensors,
@@ -27,6 +27,7 @@ from peers_workload import ADAMW_KWARGS, GRADIENT_CLIPPING, Workload, build_mode
 from torch import nn
 
 ENGINES = ("floor", "floor-par", "zeroshard", "ddp", "fsdp2", "deepspeed")
+CPU = torch.device("cpu")
 _LOW = {"bf16": torch.bfloat16, "autocast": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -40,12 +41,6 @@ def unsupported(engine: str, mode: str) -> str | None:
     return None
 
 
-def _autocast(mode: str) -> contextlib.AbstractContextManager:
-    if mode == "autocast":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def _split_numel(model: nn.Module) -> tuple[int, int]:
     """(parameters outside the blocks, parameters of all blocks); tied weights counted once."""
     blocks = sum(p.numel() for p in model.blocks.parameters())
@@ -57,33 +52,39 @@ class _TorchRunner:
 
     # bf16 mode holds the model itself in bf16 (no master copy): the plain bf16 recipe.
     bf16_model = True
+    # On CUDA the floor and DDP use fused AdamW (the fastest plain-PyTorch step there).
+    fused_on_cuda = True
 
-    def __init__(self, workload: Workload, mode: str) -> None:
+    def __init__(self, workload: Workload, mode: str, device: torch.device = CPU) -> None:
         self.mode = mode
+        self.device = device
         model = build_model(workload)
         if mode == "bf16" and self.bf16_model:
-            model = model.to(torch.bfloat16)
+            model = model.to(torch.bfloat16)  # cast before moving: the device never holds fp32
+        model = model.to(device)
         self.numel_root, self.numel_blocks = _split_numel(model)
         self.model = self.wrap(model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), **ADAMW_KWARGS)
+        fused = {"fused": True} if device.type == "cuda" and self.fused_on_cuda else {}
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **ADAMW_KWARGS, **fused)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, after_backward=None) -> tuple[torch.Tensor, list[float]]:
-        t0 = time.perf_counter()
+        clock = PhaseClock(self.device)
+        clock.mark()
         self.optimizer.zero_grad(set_to_none=True)
-        with _autocast(self.mode):
+        with autocast(self.device, self.mode == "autocast"):
             _, loss = self.model(x, y)
-        t1 = time.perf_counter()
+        clock.mark()
         loss.backward()
-        t2 = time.perf_counter()
+        clock.mark()
         if after_backward is not None:
             after_backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRADIENT_CLIPPING)
         self.optimizer.step()
-        t3 = time.perf_counter()
-        return loss.detach(), [t1 - t0, t2 - t1, t3 - t2]
+        clock.mark()
+        return loss.detach(), clock.seconds()
 
     def model_states(self) -> StorageCounter:
         counter = StorageCounter()
@@ -117,7 +118,8 @@ class DDPRunner(_TorchRunner):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, gradient_as_bucket_view=True)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
     def comm_per_step(self, log: Any, steps: int) -> tuple[dict[str, float], str]:
         by_op, how = peer_comm_theory("ddp", self.mode, None, None, self.numel_root, self.numel_blocks)
@@ -132,16 +134,17 @@ class FSDP2Runner(_TorchRunner):
     """
 
     bf16_model = False
+    fused_on_cuda = False  # its parameters are DTensors; torch's default (foreach) AdamW
 
-    def __init__(self, workload: Workload, mode: str, reshard: bool) -> None:
+    def __init__(self, workload: Workload, mode: str, reshard: bool, device: torch.device = CPU) -> None:
         self.reshard = reshard
-        super().__init__(workload, mode)
+        super().__init__(workload, mode, device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy()
         if self.mode == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -181,28 +184,31 @@ def _engine_config(workload: Workload, mode: str, stage: int) -> dict[str, Any]:
     return cfg
 
 
-def deepspeed_style_step(engine: Any, x: torch.Tensor, y: torch.Tensor, after_backward=None):
+def deepspeed_style_step(engine: Any, x: torch.Tensor, y: torch.Tensor, after_backward=None,
+                         device: torch.device = CPU):
     """One step of the DeepSpeed loop (zeroshard and DeepSpeed run the very same code), timed
     as forward / backward / step."""
-    t0 = time.perf_counter()
+    clock = PhaseClock(device)
+    clock.mark()
     _, loss = engine(x, y)
-    t1 = time.perf_counter()
+    clock.mark()
     engine.backward(loss)
-    t2 = time.perf_counter()
+    clock.mark()
     if after_backward is not None:
         after_backward()
     engine.step()
-    t3 = time.perf_counter()
-    return loss.detach(), [t1 - t0, t2 - t1, t3 - t2]
+    clock.mark()
+    return loss.detach(), clock.seconds()
 
 
 class ZeroshardRunner:
     """zeroshard at one stage, configured from a DeepSpeed-format dict."""
 
-    def __init__(self, workload: Workload, mode: str, stage: int) -> None:
+    def __init__(self, workload: Workload, mode: str, stage: int, device: torch.device = CPU) -> None:
         import zeroshard
 
         self.mode = mode
+        self.device = device  # zeroshard picks the same one itself (cuda:LOCAL_RANK)
         self.config = _engine_config(workload, mode, stage)
         model = build_model(workload)
         self.engine, self.optimizer, _, _ = zeroshard.initialize(
@@ -210,7 +216,7 @@ class ZeroshardRunner:
         )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, after_backward=None) -> tuple[torch.Tensor, list[float]]:
-        return deepspeed_style_step(self.engine, x, y, after_backward)
+        return deepspeed_style_step(self.engine, x, y, after_backward, self.device)
 
     def model_states(self) -> StorageCounter:
         counter = StorageCounter()
@@ -254,10 +260,11 @@ class ZeroshardRunner:
 class DeepSpeedRunner:
     """DeepSpeed at one stage with the same JSON config (its torch AdamW, gloo on CPU)."""
 
-    def __init__(self, workload: Workload, mode: str, stage: int) -> None:
+    def __init__(self, workload: Workload, mode: str, stage: int, device: torch.device = CPU) -> None:
         import deepspeed
 
         self.mode = mode
+        self.device = device
         self.stage = stage
         self.config = _engine_config(workload, mode, stage)
         # DeepSpeed's own AdamW is a compiled op; torch_adam picks torch.optim.AdamW, the same
@@ -271,7 +278,7 @@ class DeepSpeedRunner:
         )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, after_backward=None) -> tuple[torch.Tensor, list[float]]:
-        return deepspeed_style_step(self.engine, x, y, after_backward)
+        return deepspeed_style_step(self.engine, x, y, after_backward, self.device)
 
     def model_states(self) -> StorageCounter:
         counter = StorageCounter()
@@ -321,16 +328,17 @@ def _tensors_held_by(obj: Any, depth: int, _seen: set[int] | None = None) -> lis
     return found
 
 
-def make_runner(engine: str, workload: Workload, mode: str, stage: int | None, reshard: bool | None):
-    """The runner for one (engine, mode, stage/reshard) cell of the benchmark."""
+def make_runner(engine: str, workload: Workload, mode: str, stage: int | None, reshard: bool | None,
+                device: torch.device = CPU):
+    """The runner for one (engine, mode, stage/reshard) cell of the benchmark on `device`."""
     if engine in ("floor", "floor-par"):
-        return FloorRunner(workload, mode)
+        return FloorRunner(workload, mode, device)
     if engine == "ddp":
-        return DDPRunner(workload, mode)
+        return DDPRunner(workload, mode, device)
     if engine == "fsdp2":
-        return FSDP2Runner(workload, mode, bool(reshard))
+        return FSDP2Runner(workload, mode, bool(reshard), device)
     if engine == "zeroshard":
-        return ZeroshardRunner(workload, mode, int(stage or 0))
+        return ZeroshardRunner(workload, mode, int(stage or 0), device)
     if engine == "deepspeed":
-        return DeepSpeedRunner(workload, mode, int(stage or 0))
+        return DeepSpeedRunner(workload, mode, int(stage or 0), device)
     raise ValueError(f"--engine {engine}: use one of {', '.join(ENGINES)}.")

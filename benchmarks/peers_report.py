@@ -66,6 +66,9 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
     def med_rank_max(key: str) -> float:
         return statistics.median(max(p[key] for p in r["per_rank"]) for r in results)
 
+    def gpu(key: str) -> float | None:  # --device cuda runs only
+        return med_rank_max(key) if all(key in r["per_rank"][0] for r in results) else None
+
     first = results[0]
     return {
         "repeats": len(results),
@@ -86,6 +89,8 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
         "rss_over_baseline_bytes": statistics.median(
             max(p["peak_rss_bytes"] - p["baseline_rss_bytes"] for p in r["per_rank"]) for r in results
         ),
+        "cuda_max_memory_allocated_bytes": gpu("cuda_max_memory_allocated_bytes"),
+        "cuda_max_memory_reserved_bytes": gpu("cuda_max_memory_reserved_bytes"),
         "comm_bytes_per_step": first["comm_bytes_per_step"],
         "comm_total_bytes_per_step": first["comm_total_bytes_per_step"],
         "comm_wire_bytes_per_rank": first["comm_wire_bytes_per_rank"],
@@ -106,6 +111,17 @@ def _fmt_ratio(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 
 
+def _on_gpu(rows: list[dict[str, Any]]) -> bool:
+    return any(r.get("cuda_max_memory_allocated_bytes") is not None for r in rows)
+
+
+def _fmt_gpu(r: dict[str, Any]) -> str:
+    """GPU peak allocated (reserved) MiB of the rank with the largest peak."""
+    if r.get("cuda_max_memory_allocated_bytes") is None:
+        return ""
+    return f"{r['cuda_max_memory_allocated_bytes'] / MIB:.0f} ({r['cuda_max_memory_reserved_bytes'] / MIB:.0f})"
+
+
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
     """The summary table on the terminal (rich)."""
     from rich.console import Console
@@ -117,7 +133,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
         ("x floor", "right"), ("x floor-par", "right"), ("x DDP", "right"), ("x fastest peer", "right"),
         ("states MiB", "right"), ("live MiB", "right"), ("RSS MiB", "right"),
         ("comm MiB/step", "right"), ("loss", "right"),
-    ):
+    ) + ((("GPU peak MiB (reserved)", "right"),) if _on_gpu(rows) else ()):
         table.add_column(col, justify=justify)
     for r in rows:
         if r["status"] != "ok":
@@ -129,17 +145,19 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
             *(_fmt_ratio(r[k]) for k in ("x_floor", "x_floor_par", "x_ddp", "x_fastest_peer")),
             f"{r['model_state_bytes'] / MIB:.2f}", f"{r['live_tensor_bytes'] / MIB:.2f}",
             f"{r['peak_rss_bytes'] / MIB:.0f}", f"{r['comm_total_bytes_per_step'] / MIB:.2f}",
-            f"{r['final_loss']:.4f}",
+            f"{r['final_loss']:.4f}", *((_fmt_gpu(r),) if _on_gpu(rows) else ()),
         )
     Console(width=200).print(table)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The same table as Markdown, for docs/benchmarks.md."""
+    gpu = _on_gpu(rows)
     head = (
         "| mode | engine | step ms | × floor | × floor-par | × DDP | × fastest peer | CPU ms (× floor) "
-        "| tok/s | model states MiB/rank | live tensors MiB | peak RSS MiB (Δ) | comm MiB/step | loss |\n"
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
+        "| tok/s | model states MiB/rank | live tensors MiB | peak RSS MiB (Δ) | comm MiB/step | loss |"
+        + (" GPU peak MiB (reserved) |" if gpu else "") + "\n"
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if gpu else "") + "\n"
     )
     lines = []
     for r in rows:
@@ -157,7 +175,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"| {_fmt_ratio(r['x_fastest_peer'])} | {cpu} | {r['tokens_per_s']:.0f} "
             f"| {r['model_state_bytes'] / MIB:.2f} | {r['live_tensor_bytes'] / MIB:.2f} "
             f"| {r['peak_rss_bytes'] / MIB:.0f} ({r['rss_over_baseline_bytes'] / MIB:.0f}) "
-            f"| {comm} | {r['final_loss']:.4f} |"
+            f"| {comm} | {r['final_loss']:.4f} |" + (f" {_fmt_gpu(r)} |" if gpu else "")
         )
     return head + "\n".join(lines) + "\n"
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from peers_device import init_group, local_device, memory_stats, synchronize
 from peers_engines import make_runner
 from peers_measure import current_rss_bytes, live_tensor_bytes, peak_rss_bytes, wire_bytes_per_rank
 from peers_workload import BatchPlan, Workload
@@ -39,8 +40,8 @@ def run(args: Any) -> dict[str, Any] | None:
     distributed = args.engine != "floor"
     # floor-par: W processes that train independently; the process group only collects results.
     lockstep = args.engine != "floor-par"
-    if distributed:
-        dist.init_process_group("gloo")
+    where = getattr(args, "device", "cpu")
+    device = init_group(where) if distributed else local_device(where)
     world = dist.get_world_size() if distributed else args.world_size
     rank = dist.get_rank() if distributed else 0
     workload = Workload(args.model, world, args.global_batch, args.steps, args.warmup, args.seed,
@@ -48,7 +49,7 @@ def run(args: Any) -> dict[str, Any] | None:
     _import_engine(args.engine)
     baseline_rss = current_rss_bytes()
 
-    runner = make_runner(args.engine, workload, args.mode, args.stage, args.reshard)
+    runner = make_runner(args.engine, workload, args.mode, args.stage, args.reshard, device)
     batches = BatchPlan(workload)
     step_times: list[float] = []
     cpu_times: list[float] = []
@@ -59,15 +60,23 @@ def run(args: Any) -> dict[str, Any] | None:
         for step in range(workload.total_steps):
             timed = step >= workload.warmup
             if args.profile_out and rank == 0 and step == workload.warmup:
-                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                profiler = torch.profiler.profile(activities=activities)
                 profiler.__enter__()
             if step == workload.warmup and log is not None:
                 log.records.clear()  # warm-up collectives (the init broadcasts) are not a step's
-            x, y = batches.batch(step, rank)
+            if step == workload.warmup and device.type == "cuda":
+                startup_peak = memory_stats(device)  # set-up and warm-up, before the steady state
+                torch.cuda.reset_peak_memory_stats(device)
+            x, y = (t.to(device) for t in batches.batch(step, rank))
             if distributed and lockstep:
                 dist.barrier()
+            synchronize(device)  # nothing queued from before counts in this step
             t0, c0 = time.perf_counter(), time.process_time()
             loss, phases = runner.train_step(x, y)
+            synchronize(device)  # the step's kernels, not just their launches
             elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
             losses.append(loss.float())
             if timed:
@@ -91,7 +100,7 @@ def run(args: Any) -> dict[str, Any] | None:
         counter = runner.model_states()
         held.update(by_role=dict(counter.by_role), total=counter.total, live=live_tensor_bytes())
 
-    x, y = batches.batch(workload.total_steps - 1, rank)
+    x, y = (t.to(device) for t in batches.batch(workload.total_steps - 1, rank))
     if distributed and lockstep:
         dist.barrier()
     runner.train_step(x, y, after_backward=count_held)
@@ -105,8 +114,12 @@ def run(args: Any) -> dict[str, Any] | None:
         "live_tensor_bytes": held["live"],
         "peak_rss_bytes": peak_rss_bytes(),
         "baseline_rss_bytes": baseline_rss,
+        # CUDA only: allocator peaks over the timed steps and the memory-count step, and over
+        # set-up and warm-up before them.
+        **memory_stats(device),
+        **({f"startup_{k}": v for k, v in startup_peak.items()} if device.type == "cuda" else {}),
     }
-    loss_curve = torch.stack(losses)
+    loss_curve = torch.stack(losses).to(device)
     if distributed:
         dist.all_reduce(loss_curve)
         loss_curve /= world
@@ -130,6 +143,7 @@ def run(args: Any) -> dict[str, Any] | None:
     median = statistics.median(slowest)
     return {
         "engine": args.engine,
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "mode": args.mode,
         "stage": args.stage,
         "reshard": args.reshard,
@@ -155,7 +169,7 @@ def run(args: Any) -> dict[str, Any] | None:
         "comm_total_bytes_per_step": sum(comm_by_op.values()),
         "comm_wire_bytes_per_rank": wire_bytes_per_rank(comm_by_op, world),
         "comm_source": comm_source,
-        "loss_curve": loss_curve.tolist(),
+        "loss_curve": loss_curve.cpu().tolist(),
         "final_loss": float(loss_curve[-1]),
         "per_rank": [
             {k: v for k, v in r.items() if k not in ("step_times", "cpu_times", "phase_times")} for r in per_rank

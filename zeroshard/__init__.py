@@ -50,6 +50,7 @@ def initialize(
     """
     from .config_error import DeepSpeedConfigError
     from .engine import Engine
+    from .layout import ParallelLayout
     from .resolve import resolve_config
 
     if model is None:
@@ -66,9 +67,10 @@ def initialize(
     if dist_init_required is not False:
         init_distributed()
     cfg = resolve_config(raw, world_size=comm.world_size())
+    layout = ParallelLayout.build(cfg.zeroshard.shard_group_size)
     engine = Engine(
         model, cfg, cfg.precision_plan, optimizer=optimizer, model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
+        lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 

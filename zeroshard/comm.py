@@ -1,9 +1,11 @@
 """The only caller of torch.distributed collectives, and the collective recorder.
 
-Every collective the engine issues goes through one of the four functions below, so that
-`recording()` sees all of them with the dtype that actually went on the wire. With a world
-size of 1 (no process group) the collectives are the identity and nothing is recorded:
-no bytes cross a wire.
+Every collective the engine issues goes through one of the functions below, so that
+`recording()` sees all of them with the dtype that actually went on the wire and the group
+they ran on. Each takes its `Group` explicitly (zeroshard/layout.py decides which): nothing
+reaches the default process group implicitly. On a group of one rank (a world of 1, or a
+layout without replication) the collectives are the identity and nothing is recorded: no
+bytes cross a wire.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import _compat
+
 __all__ = [
+    "Group",
+    "world_group",
+    "self_group",
+    "new_group",
+    "all_gather_object",
     "CollectiveRecord",
     "CollectiveLog",
     "recording",
@@ -26,6 +35,53 @@ __all__ = [
     "world_size",
     "rank",
 ]
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """A process group named by its global ranks.
+
+    Attributes:
+        ranks: the members' global ranks, in group-rank order.
+        rank: this process's index in `ranks` (its group rank).
+        handle: torch's process group; None for a group of one (no communication).
+    """
+
+    ranks: tuple[int, ...]
+    rank: int
+    handle: object = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"Group(ranks={self.ranks}, rank={self.rank})"
+
+
+def world_group() -> Group:
+    """Every rank (the default process group, named explicitly)."""
+    initialized = dist.is_available() and dist.is_initialized()
+    return Group(tuple(range(world_size())), rank(), dist.group.WORLD if initialized else None)
+
+
+def self_group(world: Group) -> Group:
+    """This rank alone: a group whose collectives are the identity."""
+    return Group((world.ranks[world.rank],), 0, None)
+
+
+def new_group(members: tuple[int, ...], world: Group) -> Group:
+    """A group of `members` (global ranks). Collective over `world` when it has more than one
+    member: every rank must create every group, in the same order (torch's rule)."""
+    members = tuple(members)
+    mine = world.ranks[world.rank]
+    handle = dist.new_group(list(members)) if len(members) > 1 else None
+    return Group(members, members.index(mine) if mine in members else -1, handle)
+
+
+def _check(group: Group) -> Group:
+    assert isinstance(group, Group), f"a collective needs an explicit zeroshard.comm.Group, got {group!r}"
+    return group
 
 
 @dataclass(frozen=True)
@@ -41,6 +97,7 @@ class CollectiveRecord:
         tag: what the engine used it for ("grad", "param", "norm", "overflow", ...).
         via: the collective that carried it out when that is another one (on gloo a
             reduce-scatter runs as an all-reduce, see `reduce_scatter`); "" otherwise.
+        group: the global ranks of the group it ran on.
     """
 
     op: str
@@ -49,6 +106,7 @@ class CollectiveRecord:
     bytes: int
     tag: str = ""
     via: str = ""
+    group: tuple[int, ...] = ()
 
 
 class CollectiveLog:
@@ -85,37 +143,39 @@ def recording() -> Iterator[CollectiveLog]:
         _active_logs.remove(log)
 
 
-def _record(op: str, tensor: torch.Tensor, numel: int, tag: str, via: str = "") -> None:
+def _record(op: str, tensor: torch.Tensor, numel: int, tag: str, group: Group, via: str = "") -> None:
     if not _active_logs:
         return
-    rec = CollectiveRecord(op, tensor.dtype, numel, numel * tensor.element_size(), tag, via)
+    rec = CollectiveRecord(op, tensor.dtype, numel, numel * tensor.element_size(), tag, via, group.ranks)
     for log in _active_logs:
         log.records.append(rec)
 
 
-def world_size(group=None) -> int:
+def world_size() -> int:
+    """Ranks in the world (1 without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
-    return dist.get_world_size(group)
+    return dist.get_world_size()
 
 
-def rank(group=None) -> int:
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    return dist.get_rank(group)
+    return dist.get_rank()
 
 
 def all_reduce(
-    tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, tag: str = "", async_op: bool = False
+    tensor: torch.Tensor, *, group: Group, op=dist.ReduceOp.SUM, tag: str = "", async_op: bool = False
 ):
-    """In-place all-reduce of `tensor` (summed unless `op` says otherwise).
+    """In-place all-reduce of `tensor` over `group` (summed unless `op` says otherwise).
 
     Returns `tensor`, or with `async_op` a handle to `wait()` on (None if nothing to wait for).
     """
-    if world_size(group) == 1:
+    if _check(group).size == 1:
         return None if async_op else tensor
-    _record("all_reduce", tensor, tensor.numel(), tag)
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    _record("all_reduce", tensor, tensor.numel(), tag, group)
+    work = dist.all_reduce(tensor, op=op, group=group.handle, async_op=async_op)
     return work if async_op else tensor
 
 
@@ -131,64 +191,75 @@ class _CopyAfterWait:
         return True
 
 
-def _reduce_scatter_runs_as_all_reduce(group) -> bool:
+def _reduce_scatter_runs_as_all_reduce(group: Group) -> bool:
     """On gloo an all-reduce of the whole buffer beats its reduce-scatter: the reduce-scatter
     took 1.1-2.4x as long at 0.2-10 M elements on 2 ranks (benchmarks/collectives.py,
     docs/benchmarks.md).
     NCCL's reduce-scatter moves half the bytes of its all-reduce, so it is used there."""
-    return dist.get_backend(group) == "gloo"
+    return dist.get_backend(group.handle) == "gloo"
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group=None, tag: str = "", async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, *, group: Group, tag: str = "", async_op: bool = False
 ):
-    """Sum `input` (world_size x len(output) elements) over ranks; keep this rank's chunk.
+    """Sum `input` (group size x len(output) elements) over `group`; keep this rank's chunk.
 
     `input` is scratch: on gloo the sum is an all-reduce in place in `input` (faster there,
     see `_reduce_scatter_runs_as_all_reduce`), so its contents afterwards are unspecified.
     Returns `output`, or with `async_op` a handle to `wait()` on (None if nothing to wait for).
     """
-    ws = world_size(group)
+    ws = _check(group).size
     if ws == 1:
         output.copy_(input.view(-1))
         return None if async_op else output
     assert input.numel() == output.numel() * ws, "reduce_scatter sizes disagree"
     if _reduce_scatter_runs_as_all_reduce(group):
-        _record("reduce_scatter", input, input.numel(), tag, via="all_reduce")
+        _record("reduce_scatter", input, input.numel(), tag, group, via="all_reduce")
         flat_input = input.view(-1)
-        mine = flat_input.view(ws, -1)[dist.get_rank(group)]
-        work = dist.all_reduce(flat_input, group=group, async_op=True)
+        mine = flat_input.view(ws, -1)[group.rank]
+        work = dist.all_reduce(flat_input, group=group.handle, async_op=True)
         handle = _CopyAfterWait(work, mine, output)
         if async_op:
             return handle
         handle.wait()
         return output
-    _record("reduce_scatter", input, input.numel(), tag)
-    work = dist.reduce_scatter_single(output, input.view(-1), group=group, async_op=async_op)
+    _record("reduce_scatter", input, input.numel(), tag, group)
+    work = _compat.reduce_scatter_single(output, input.view(-1), group=group.handle, async_op=async_op)
     return work if async_op else output
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group=None, tag: str = "", async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, *, group: Group, tag: str = "", async_op: bool = False
 ):
-    """Concatenate every rank's `input` into `output` (world_size x len(input) elements).
+    """Concatenate every group member's `input` into `output` (group size x len(input) elements).
 
     Returns `output`, or with `async_op` a handle whose `wait()` must be called before
     `output` is read (None when there was nothing to wait for).
     """
-    ws = world_size(group)
+    ws = _check(group).size
     if ws == 1:
         output.view(-1).copy_(input.view(-1))
         return None if async_op else output
     assert output.numel() == input.numel() * ws, "all_gather sizes disagree"
-    _record("all_gather", input, output.numel(), tag)
-    work = dist.all_gather_single(output.view(-1), input.view(-1), group=group, async_op=async_op)
+    _record("all_gather", input, output.numel(), tag, group)
+    work = _compat.all_gather_single(output.view(-1), input.view(-1), group=group.handle, async_op=async_op)
     return work if async_op else output
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group=None, tag: str = "") -> torch.Tensor:
-    if world_size(group) == 1:
+def broadcast(tensor: torch.Tensor, *, group: Group, src: int, tag: str = "") -> torch.Tensor:
+    """`tensor` from global rank `src` (a member of `group`) to every member, in place."""
+    if _check(group).size == 1:
         return tensor
-    _record("broadcast", tensor, tensor.numel(), tag)
-    dist.broadcast(tensor, src=src, group=group)
+    _record("broadcast", tensor, tensor.numel(), tag, group)
+    dist.broadcast(tensor, src=src, group=group.handle)
     return tensor
+
+
+def all_gather_object(obj: object, *, group: Group) -> list[object]:
+    """`obj` from every member of `group`, in group-rank order (control messages such as
+    checkpoint outcomes; pickled, not recorded: no tensor dtype goes on the wire)."""
+    if _check(group).size == 1:
+        return [obj]
+    out: list[object] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.handle)
+    return out

@@ -89,10 +89,13 @@ class ZeroshardExtras(_Section):
         unit_module_classes: dotted or bare class names whose instances become units; None =
             the automatic rule of DESIGN section 3.
         unit_min_params: units smaller than this merge into the root unit.
+        shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks
+            and replicate across them (zeroshard/layout.py); None = shard over every rank.
     """
 
     unit_module_classes: list[str] | None = None
     unit_min_params: JsonInt = Field(0, ge=0)
+    shard_group_size: JsonInt | None = Field(None, ge=1)
 
 
 class ZeroshardConfig(_Section):

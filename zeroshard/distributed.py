@@ -9,6 +9,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .device import binds_device_id, cuda_device_index, uses_nccl
+from .launchers import discover_launch, export_launch
+
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -21,17 +24,24 @@ def launched_by_torchrun() -> bool:
 def init_distributed(dist_backend: str | None = None, timeout: timedelta | None = None) -> None:
     """Create the default process group from torchrun's environment, once.
 
-    NCCL when a GPU is present, gloo otherwise. Without torchrun's environment variables
-    nothing is created and the engine runs as a single process (world size 1).
+    NCCL when a GPU is present, gloo otherwise. Under srun, mpirun or another PMI launcher
+    without torchrun's variables, the launcher's are mapped to them first (see
+    `zeroshard.launchers`; a mapping that needs MASTER_ADDR is refused naming it). Without any
+    launcher nothing is created and the engine runs as a single process (world size 1).
     """
     if dist.is_initialized():
         return
-    if not launched_by_torchrun():
+    launch = discover_launch()  # torchrun's variables, or srun's / mpirun's mapped to them
+    if launch is None:
         return
+    export_launch(launch)
     backend = dist_backend or default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    kwargs = {"timeout": timeout} if timeout is not None else {}
+    kwargs: dict = {"timeout": timeout} if timeout is not None else {}
+    if uses_nccl(backend):
+        index = cuda_device_index(launch.world_size)
+        torch.cuda.set_device(index)
+        if binds_device_id(launch.world_size):
+            kwargs["device_id"] = torch.device("cuda", index)
     dist.init_process_group(backend=backend, **kwargs)
     # A process that exits with the group alive can abort in the backend's threads at
     # interpreter shutdown ("terminate called without an active exception"); the group

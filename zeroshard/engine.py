@@ -1,8 +1,10 @@
-"""The Engine: composes units, flat buffers, the backward protocol and the optimizer.
+"""The Engine: composes units, flat buffers, the gradient path, the parameter schedule and
+the optimizer step; the DeepSpeed training-loop API.
 
-Orchestration only. What a stage does is a `StagePolicy` (stages.py); how gradients are
-reduced is grad_reduce.py; when a backward ends is backward.py; dtypes come from the
-PrecisionPlan (precision.py).
+Orchestration only. Which ranks shard what is the ParallelLayout (layout.py); what a stage
+does is a `StagePolicy` (stages.py); a gradient's way from hook to reduced shard is
+grad_path.py; stage 3's gathers and frees are param_schedule.py; the step (unscale, norm,
+clip, optimizer, publish) is step.py; dtypes come from the PrecisionPlan (precision.py).
 """
 
 from __future__ import annotations
@@ -10,27 +12,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import comm, full_tensors
 from .autocast import forward_context
-from .backward import BackwardCoordinator, wrap_outputs
 from .config import ZeroshardConfig
+from .device import select_device
 from .engine_api import EngineAPI
 from .flat import FlatParamGroup
+from .grad_path import GradientPath
 from .grad_reduce import GradientReducer
+from .layout import ParallelLayout
 from .loss_scale import make_loss_scaler
 from .optim import build_optimizer, muon, repoint_optimizer
+from .param_registry import ParamRegistry
+from .param_schedule import ParamSchedule
 from .precision import PrecisionPlan, assign_param_groups
-from .publish import publish_masters
 from .stages import stage_policy
+from .step import OptimizerStep, StepResult
 from .unit import Unit
 from .units import plan_units
 from .utils.z3_leaf_module import apply_leaf_module_config
@@ -83,18 +86,16 @@ class Engine(EngineAPI):
         lr_scheduler: Any = None,
         training_data: Any = None,
         collate_fn: Any = None,
+        layout: ParallelLayout | None = None,
     ) -> None:
         self.config = config
         self.precision_plan = plan
         self.policy = stage_policy(config.zero_optimization.stage)
-        self.world_size = comm.world_size()
-        self.global_rank = comm.rank()
+        self.layout = layout if layout is not None else ParallelLayout.build(config.zeroshard.shard_group_size)
+        self.world_size = self.layout.world_size
+        self.global_rank = self.layout.rank
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        self.device = select_device(model)
         # Stage 3: the trainable parameters reach the device flat by flat, each sharded before
         # the next is built, so the device never holds the whole model (zero_init.py).
         self.module = model if not self.policy.keep_full_params else model.to(self.device)
@@ -109,7 +110,6 @@ class Engine(EngineAPI):
         self._boundary_override: bool | None = None
         self._global_grad_norm: float | None = None
         self._post_clip_grad_norm: float | None = None
-        self._needs_flush = False  # local gradients a backward left unreduced
         self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
@@ -122,34 +122,37 @@ class Engine(EngineAPI):
         self.units = self._build_units(model, group_of)
         model.to(self.device)  # frozen parameters and buffers (a no-op for what the flats hold)
         self.flats = [f for unit in self.units for f in unit.flats]
-        self._reducer = GradientReducer(
-            self.flats,
-            divisor=lambda: self.world_size * self.config.gradient_accumulation_steps,
-            bucket_numel=config.zero_optimization.reduce_bucket_size,
-        )
 
         masters_by_group: list[list[torch.Tensor]] = [[] for _ in hyper]
         for flat in self.flats:
             masters_by_group[flat.optimizer_group].append(flat.master)
+        self.loss_scaler = make_loss_scaler(plan.loss_scale)
+        zero = config.zero_optimization
+        self._step = OptimizerStep(
+            self.flats, self.layout, plan.check_grad_overflow, self.loss_scaler,
+            config.gradient_clipping, zero.allgather_bucket_size, self.device,
+        )
         self.optimizer = self._make_optimizer(optimizer, hyper, masters_by_group)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        self.loss_scaler = make_loss_scaler(plan.loss_scale)
+        self._registry = ParamRegistry(self.flats, lambda: self.loss_scaler.scale, lambda: self.optimizer)
 
-        self._coordinator = BackwardCoordinator(
-            self.units,
-            reduce_unit=self._reduce_unit,
-            on_unit_done=self._after_unit_backward,
-            end_of_backward=self._end_of_backward,
+        # The gradient path owns hooks, readiness and reductions; stage 3's schedule owns
+        # when parameters are gathered and freed. The engine only wires them together.
+        reducer = GradientReducer(
+            self.flats,
+            divisor=lambda: self.world_size * self.config.gradient_accumulation_steps,
+            bucket_numel=zero.reduce_bucket_size,
+        )
+        self._grads = GradientPath(
+            self.module, self.units, self.policy, reducer,
             # A backward of a loss from `engine.scale` is scaled already (engine_api.py).
             loss_scale=lambda: 1.0 if self._backward_prescaled else self.loss_scaler.scale,
-            reduces_now=self._reduces_now,
+            is_boundary=self.is_gradient_accumulation_boundary,
         )
-        self._hook_handles: list[Any] = []
-        # Stage 3 prefetch: the order in which the last forward used the units.
-        self._order_now: list[Unit] = []
-        self._forward_order: list[Unit] = []
-        self._order_position: dict[int, int] = {}
-        self._install_forward_hooks()
+        if not self.policy.keep_full_params:
+            self._grads.params = ParamSchedule(
+                self.units, zero.stage3_prefetch_bucket_size, lambda: self._grads.in_backward
+            )
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
         )
@@ -194,16 +197,11 @@ class Engine(EngineAPI):
             flats = [
                 FlatParamGroup(
                     spec.name, names, params, self.precision_plan.groups[role_name],
-                    opt_group, policy, self.device,
+                    opt_group, policy, self.device, self.layout.dense,
                 )
                 for (role_name, opt_group), (names, params) in classes.items()
             ]
             units.append(Unit(spec.name, spec.module, flats))
-        self._param_index = {
-            id(p): (flat, i) for unit in units for flat in unit.flats for i, p in enumerate(flat.params)
-        }
-        for flat, i in self._param_index.values():
-            full_tensors.register(self, flat.params[i])
         return units
 
     def _make_optimizer(self, optimizer, hyper, masters_by_group):
@@ -258,95 +256,6 @@ class Engine(EngineAPI):
             sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
         )
 
-    def _install_forward_hooks(self) -> None:
-        root = self.module
-        coord = self._coordinator
-        root_unit = self.units[0]
-        sharded = not self.policy.keep_full_params
-
-        def root_pre(module, args):
-            coord.root_pre_forward()
-            if sharded:
-                if coord.forward_depth == 1 and not coord.in_backward:
-                    self._order_now = []
-                root_unit.gather()
-
-        def root_post(module, args, output):
-            coord.root_post_forward()
-            if sharded and not coord.in_backward and coord.forward_depth == 0:
-                if self._order_now:
-                    self._set_forward_order(self._order_now)
-                for unit in self.units:
-                    unit.free()  # including prefetched units the forward did not reach
-            if output is None:
-                return None
-
-            def on_grad(grad):
-                if sharded:
-                    root_unit.gather()
-                return coord.root_output_grad(grad)
-
-            return wrap_outputs(output, on_grad)
-
-        self._hook_handles.append(root.register_forward_pre_hook(root_pre, prepend=True))
-        self._hook_handles.append(root.register_forward_hook(root_post, always_call=True))
-        if not sharded:
-            return
-        for unit in self.units[1:]:
-            self._hook_handles.append(unit.module.register_forward_pre_hook(self._unit_pre(unit)))
-            self._hook_handles.append(unit.module.register_forward_hook(self._unit_post(unit)))
-
-    def _unit_pre(self, unit: Unit):
-        coord = self._coordinator
-
-        def pre(module, args):
-            unit.gather()
-            if coord.in_backward:
-                self._prefetch(unit, -1)  # a checkpoint's recomputation: backward order
-            else:
-                self._order_now.append(unit)
-                self._prefetch(unit, +1)
-
-        return pre
-
-    def _unit_post(self, unit: Unit):
-        coord = self._coordinator
-
-        def post(module, args, output):
-            # During a backward the forward is a checkpoint's recomputation: the backward
-            # that follows needs the parameters, so they are freed after it instead.
-            if not coord.in_backward:
-                unit.free()
-
-            def on_grad(grad):
-                unit.gather()
-                self._prefetch(unit, -1)
-                return grad
-
-            return wrap_outputs(output, on_grad)
-
-        return post
-
-    def _set_forward_order(self, order: list[Unit]) -> None:
-        self._forward_order = list(order)
-        self._order_position = {id(u): i for i, u in enumerate(order)}
-
-    def _prefetch(self, unit: Unit, direction: int) -> None:
-        """Start gathering the units that follow `unit` in the last forward's order (or
-        precede it, going backwards), up to stage3_prefetch_bucket_size elements."""
-        position = self._order_position.get(id(unit))
-        if position is None:
-            return
-        budget = self.config.zero_optimization.stage3_prefetch_bucket_size
-        j = position + direction
-        while 0 <= j < len(self._forward_order):
-            nxt = self._forward_order[j]
-            if nxt.numel > budget:
-                return
-            budget -= nxt.numel
-            nxt.start_gather()
-            j += direction
-
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module under the precision policy (autocast, input casts)."""
@@ -375,64 +284,19 @@ class Engine(EngineAPI):
         does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
         """
         accumulation = self.config.gradient_accumulation_steps
-        before = self._coordinator.backward_count
+        before = self._grads.backward_count
         (loss if scale_wrt_gas or accumulation == 1 else loss * accumulation).backward(
             retain_graph=retain_graph, **kwargs
         )
-        if self._coordinator.backward_count == before:
+        if self._grads.backward_count == before:
             # Nothing in the model took part (no hook fired): still run the epilogue, so this
             # rank issues the same collectives as ranks whose loss did reach the model.
-            self._coordinator.run_epilogue()
+            self._grads.run_epilogue()
         return loss / accumulation if scale_wrt_gas else loss
 
-    def _reduce_unit(self, unit: Unit) -> None:
-        """Queue a unit's local gradients for reduction (a full bucket is reduced at once,
-        asynchronously); `_finish_reductions` completes them."""
-        for flat in unit.flats:
-            self._reducer.add(flat)
-        unit.has_local_grad = False
-
-    def _finish_reductions(self) -> None:
-        self._reducer.finish()
-
-    def _after_unit_backward(self, unit: Unit) -> None:
-        if not self.policy.keep_full_params and unit is not self.units[0]:
-            unit.free()
-
-    def _reduces_now(self) -> bool:
-        """Whether this backward reduces: every synced backward at stages 2-3, the synced
-        boundary backward at stages 0-1."""
-        if not self._coordinator.sync_enabled:
-            return False
-        return self.policy.reduce_every_backward or self.is_gradient_accumulation_boundary()
-
-    def _end_of_backward(self, pending: list[Unit]) -> None:
-        if self._reduces_now():
-            for unit in pending:
-                self._reduce_unit(unit)
-            self._finish_reductions()
-            self._needs_flush = False
-        else:
-            self._needs_flush = True
-        for unit in self.units:
-            unit.free()  # a no-op for units that keep their full parameters
-
-    def _flush(self) -> None:
-        """Reduce every unit's local gradient (a collective: same order on every rank)."""
-        for unit in self._coordinator.reduce_order:
-            self._reduce_unit(unit)
-        self._finish_reductions()
-        self._needs_flush = False
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward calls inside keep their gradients local (no communication)."""
-        previous = self._coordinator.sync_enabled
-        self._coordinator.sync_enabled = False
-        try:
-            yield
-        finally:
-            self._coordinator.sync_enabled = previous
+        return self._grads.no_sync()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if not self.config.managed_gradient_accumulation:
@@ -456,8 +320,8 @@ class Engine(EngineAPI):
     def step(self) -> None:
         """The optimizer step, at the accumulation boundary only (with
         managed_gradient_accumulation false, every step() is the boundary)."""
-        if not self._coordinator.sync_enabled:
-            block = "coalesce_grad_reduction()" if getattr(self, "_in_coalesce", False) else "no_sync()"
+        if not self._grads.sync_enabled:
+            block = "coalesce_grad_reduction()" if self._in_coalesce else "no_sync()"
             raise RuntimeError(f"engine.step() inside {block}: leave the with-block first.")
         self._step_applied = False
         self._in_step = True
@@ -467,11 +331,17 @@ class Engine(EngineAPI):
                     raise RuntimeError(
                         "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
                     )
-                if self._needs_flush:
-                    self._flush()
-                skipped = self.skipped_steps
-                self._take_optimizer_step()
-                self._step_applied = self.skipped_steps == skipped
+                self._grads.flush()
+                result = self._step.run()
+                self._global_grad_norm = result.norm
+                self._post_clip_grad_norm = result.post_clip_norm
+                if result.overflow:
+                    self.skipped_steps += 1
+                    logger.info(
+                        "step %d: non-finite gradient, step skipped (scale %s)", self.global_steps, result.scale
+                    )
+                self._step_applied = not result.overflow
+                self._log_step(result)
                 self.global_steps += 1
                 self._count_samples()
         finally:
@@ -479,75 +349,17 @@ class Engine(EngineAPI):
             self._coalesced = False
         self.micro_steps += 1
 
-    def _take_optimizer_step(self) -> None:
-        scale = self.loss_scaler.scale
-        for flat in self.flats:
-            grad = flat.reduced_grad_buffer()
-            if grad.dtype != flat.master.dtype:
-                grad = grad.to(flat.master.dtype)
-            if scale != 1.0:
-                grad.mul_(1.0 / scale)
-            flat.master.grad = grad
-
-        norm = self._global_norm()
-        self._global_grad_norm = norm
-        overflow = self.precision_plan.check_grad_overflow and not math.isfinite(norm)
-        if overflow:
-            self.skipped_steps += 1
-            self._post_clip_grad_norm = norm
-            logger.info("step %d: non-finite gradient, step skipped (scale %s)",
-                        self.global_steps, scale)
-        else:
-            clip = self.config.gradient_clipping
-            coef = clip / (norm + 1e-6) if clip and clip > 0 else 1.0
-            if coef < 1.0:
-                for flat in self.flats:
-                    flat.master.grad.mul_(coef)
-            self._post_clip_grad_norm = norm * min(1.0, coef)
-            self.optimizer.step()
-            publish_masters(self.flats, self.config.zero_optimization.allgather_bucket_size)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.loss_scaler.update(overflow)
-        self._clear_grads()
+    def _log_step(self, result: StepResult) -> None:
         steps_per_print = self.config.steps_per_print
         if self.global_rank == 0 and steps_per_print and (self.global_steps + 1) % steps_per_print == 0:
             logger.info(
                 "step %d: lr %s grad_norm %.4g (after clipping %.4g) loss_scale %s",
-                self.global_steps + 1, self.get_lr(), norm, self._post_clip_grad_norm, scale,
+                self.global_steps + 1, self.get_lr(), result.norm, result.post_clip_norm, result.scale,
             )
-
-    def _global_norm(self) -> float:
-        """L2 norm of the whole reduced, unscaled gradient, summed shard by shard.
-
-        Every stage sums the same per-shard partial sums in the same order, so the norm
-        (and hence clipping) is bitwise identical across stages.
-        """
-        partials = []
-        for flat in self.flats:
-            grad = flat.master.grad
-            shard = grad if self.policy.shard_optimizer else flat.shard_of(grad)
-            partials.append(shard.float().pow(2).sum())
-        total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
-        total = total.reshape(1).to(torch.float32)
-        comm.all_reduce(total, tag="norm")
-        return float(total.sqrt())
-
-    def _clear_grads(self) -> None:
-        for flat in self.flats:
-            flat.master.grad = None
-            flat.clear_reduced()
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (local and reduced)."""
-        for flat in self.flats:
-            flat.master.grad = None
-            if flat.local_grad is not None:
-                flat.release_local_grad()
-            flat.clear_reduced()
-        for unit in self.units:
-            unit.has_local_grad = False
-        self._needs_flush = False
+        self._grads.zero_grad()
 
     # ------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
@@ -576,6 +388,22 @@ class Engine(EngineAPI):
         return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     # -------------------------------------------------------------- accessors
+    @property
+    def optimizer(self) -> Any:
+        return self._step.optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        self._step.optimizer = value
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self._step.lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, value: Any) -> None:
+        self._step.lr_scheduler = value
+
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
@@ -617,9 +445,4 @@ class Engine(EngineAPI):
 
     def locate(self, param: nn.Parameter) -> tuple[FlatParamGroup, int]:
         """The flat buffer holding `param` and its index there."""
-        try:
-            return self._param_index[id(param)]
-        except KeyError:
-            raise ValueError(
-                "this parameter is not managed by the engine (frozen, or from another model)"
-            ) from None
+        return self._registry.locate(param)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class _PreScaledLoss(torch.autograd.Function):
     """`loss * scale` whose backward tells the engine that this backward is already scaled.
 
-    The engine applies the loss scale where the gradient enters the model (backward.py), so a
+    The engine applies the loss scale where the gradient enters the model (grad_path.py), so a
     plain `loss.backward()` is scaled; a loss that went through `engine.scale` must not be
     scaled there again. Its backward runs first in the graph task (the loss is the root), sets
     the engine's flag and queues a callback that clears it when the graph task ends, so the
@@ -52,6 +52,7 @@ class EngineAPI:
     _backward_prescaled: bool = False  # set during a backward of a loss from `scale`
     _step_applied: bool = False
     _coalesced: bool = False  # a coalesce_grad_reduction block ended: the next step() is the boundary
+    _in_coalesce: bool = False
 
     # ----------------------------------------------------------------- config
     def fp16_enabled(self) -> bool:
@@ -75,7 +76,7 @@ class EngineAPI:
     def _count_samples(self) -> None:
         """DeepSpeed's global_samples, at a boundary step: a train batch per step, or with
         unmanaged accumulation a micro-batch on every rank per backward since the last step."""
-        backwards = self._coordinator.backward_count
+        backwards = self._grads.backward_count
         if self.config.managed_gradient_accumulation:
             self.global_samples += self.config.train_batch_size
         else:
@@ -111,7 +112,7 @@ class EngineAPI:
         """Free every gathered stage-3 parameter (they are gathered again when next used) and
         return cached accelerator memory. A no-op for parameters kept whole (stages 0-2 and
         stage-3 units under `stage3_param_persistence_threshold`)."""
-        if self._coordinator.in_backward or self._coordinator.forward_depth:
+        if self._grads.in_backward or self._grads.forward_depth:
             raise RuntimeError("engine.empty_partition_cache(): call it outside forward and backward.")
         for unit in self.units:
             unit.free()
@@ -122,10 +123,9 @@ class EngineAPI:
         """Remove the engine's hooks from the module (DeepSpeed's cleanup). The engine cannot
         train afterwards; the module's parameters stay where the stage keeps them (at stage 3,
         shards: gather them first with `GatheredParameters` if the module is to be used alone)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-        self._coordinator.remove()
+        self._grads.remove()
+        if self._grads.params is not None:  # stage 3's gather and free hooks
+            self._grads.params.remove()
         for unit in self.units:
             unit.free()
 
@@ -142,15 +142,15 @@ class EngineAPI:
             )
         if self.config.zero_optimization.stage == 0:
             raise NotImplementedError("coalesce_grad_reduction() needs ZeRO stage 1, 2 or 3 (as in DeepSpeed).")
-        coordinator = self._coordinator
-        if not coordinator.sync_enabled:
+        grads = self._grads
+        if not grads.sync_enabled:
             raise RuntimeError("coalesce_grad_reduction() cannot be nested in no_sync() or in itself.")
-        coordinator.sync_enabled = False
+        grads.sync_enabled = False
         self._in_coalesce = True
         try:
             yield
         finally:
-            coordinator.sync_enabled = True
+            grads.sync_enabled = True
             self._in_coalesce = False
-        self._flush()  # one reduction pass, the same collectives on every rank
+        grads.flush()  # one reduction pass, the same collectives on every rank
         self._coalesced = True

@@ -7,9 +7,11 @@ class, into one 1-D buffer:
     full         1-D, padded_numel elements, parameter dtype. Module parameters are views
                  into it. At stage 3 its storage is freed between uses (resized to 0 bytes;
                  the views stay attached and see the data again once it is re-gathered).
-    shard        this rank's slice of `full`: [rank * shard_numel, (rank+1) * shard_numel).
-                 padded_numel = shard_numel * world_size, so every rank owns an equal slice;
-                 the padding at the end is zeros and stays zero.
+    shard        this rank's slice of `full`: [r * shard_numel, (r+1) * shard_numel), r the
+                 rank's index in the flat's shard group (`spec.shard`, zeroshard/layout.py).
+                 padded_numel = shard_numel x shard group size, so every rank owns an equal
+                 slice; the padding at the end is zeros and stays zero. Ranks of one replica
+                 group (`spec.replicate`) hold the same shard.
     param_shard  stage 3 only: the persistent copy of this rank's slice in the parameter
                  dtype, the source of every all-gather.
     master       what the optimizer steps on: the whole buffer at stage 0, the shard at
@@ -29,7 +31,10 @@ import torch
 from torch import nn
 
 from . import comm
+from .gather import Gathering, GatherPiece, all_gather_shards
+from .layout import ShardingSpec
 from .precision import RolePlan
+from .ranges import overlap
 from .stages import StagePolicy
 
 
@@ -50,6 +55,7 @@ class FlatParamGroup:
         optimizer_group: int,
         policy: StagePolicy,
         device: torch.device,
+        spec: ShardingSpec | None = None,
     ) -> None:
         self.unit_name = unit_name
         self.names = names
@@ -58,8 +64,12 @@ class FlatParamGroup:
         self.optimizer_group = optimizer_group
         self.policy = policy
         self.device = device
-        self.world_size = comm.world_size()
-        self.rank = comm.rank()
+        if spec is None:  # no layout given: sharded over the whole world
+            world = comm.world_group()
+            spec = ShardingSpec(world, comm.self_group(world), world)
+        self.spec = spec
+        self.shard_size = spec.shard.size
+        self.shard_rank = spec.shard.rank
 
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
@@ -69,21 +79,21 @@ class FlatParamGroup:
             self.offsets.append(offset)
             offset += n
         self.numel = offset
-        ws = self.world_size
+        ws = self.shard_size
         self.shard_numel = max(1, -(-self.numel // ws))  # ceil, at least one element
         self.padded_numel = self.shard_numel * ws
-        self.shard_start = self.rank * self.shard_numel
+        self.shard_start = self.shard_rank * self.shard_numel
 
         self.full = torch.zeros(self.padded_numel, dtype=role.param_dtype, device=device)
         with torch.no_grad():
             for p, off, n in zip(params, self.offsets, self.numels, strict=False):
                 self.full[off : off + n].copy_(p.detach().reshape(-1))
-        # Every rank starts from rank 0's values, as DeepSpeed does.
-        comm.broadcast(self.full, src=0, tag="init")
+        # Every rank starts from the first peer's values (rank 0's for dense flats), as DeepSpeed does.
+        comm.broadcast(self.full, src=spec.peers.ranks[0], group=spec.peers, tag="init")
         self._attach_views()
         self.state = ShardState.UNSHARDED
 
-        self._pending_gather: tuple | None = None  # (work handle, wire buffer) in flight
+        self._pending_gather: Gathering | None = None  # the all-gather in flight
         self.param_shard: torch.Tensor | None = None
         if not policy.keep_full_params:
             self.param_shard = self.shard_of(self.full).clone()
@@ -107,10 +117,13 @@ class FlatParamGroup:
 
     def param_range_in_shard(self, index: int) -> tuple[int, int, int] | None:
         """(start in shard, start in param, length) of param `index`'s overlap with the shard."""
-        lo = max(self.offsets[index], self.shard_start)
-        hi = min(self.offsets[index] + self.numels[index], self.shard_start + self.shard_numel)
-        if lo >= hi:
+        common = overlap(
+            self.offsets[index], self.offsets[index] + self.numels[index],
+            self.shard_start, self.shard_start + self.shard_numel,
+        )
+        if common is None:
             return None
+        lo, hi = common
         return lo - self.shard_start, lo - self.offsets[index], hi - lo
 
     def _attach_views(self) -> None:
@@ -155,24 +168,16 @@ class FlatParamGroup:
             return
         assert self.param_shard is not None
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        wire_dtype = self.full.dtype if exact else self.role.gather_dtype
-        if wire_dtype == self.full.dtype:
-            wire = None
-            work = comm.all_gather(self.full, self.param_shard.clone(), tag=tag, async_op=True)
-        else:
-            wire = torch.empty(self.padded_numel, dtype=wire_dtype, device=self.device)
-            work = comm.all_gather(wire, self.param_shard.to(wire_dtype), tag=tag, async_op=True)
-        self._pending_gather = (work, wire)
+        self._pending_gather = all_gather_shards(
+            [GatherPiece(self.param_shard, self.full)], group=self.spec.shard, tag=tag,
+            wire_dtype=None if exact else self.role.gather_dtype,
+        )
 
     def finish_gather(self) -> None:
         if self._pending_gather is None:
             return
-        work, wire = self._pending_gather
-        self._pending_gather = None
-        if work is not None:
-            work.wait()
-        if wire is not None:
-            self.full.copy_(wire)
+        pending, self._pending_gather = self._pending_gather, None
+        pending.wait()
         self.state = ShardState.UNSHARDED
 
     def gather_full(self, tag: str = "param", exact: bool = False) -> None:
@@ -198,6 +203,38 @@ class FlatParamGroup:
                     self.param_shard.copy_(self.master)
             elif not self.role.master_is_param:  # stage 0 with a separate master
                 self.full.copy_(self.master)
+
+    # ------------------------------------------------- writes from outside training
+    def load_master(self, values: torch.Tensor) -> None:
+        """Set the master weights (laid out as `master_range()` says) from a checkpoint. The
+        module parameters follow at the next `publish_masters`; call `free_full` afterwards
+        at stage 3 (a gathered copy would be stale)."""
+        with torch.no_grad():
+            self.master.copy_(values.to(self.master.device))
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Install `state` (elementwise tensors laid out like the master) as `optimizer`'s
+        state for this flat's master, on the master's device."""
+        optimizer.state[self.master] = {
+            k: v.to(self.master.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            for k, v in state.items()
+        }
+
+    def write_back_full(self, changed: torch.Tensor) -> None:
+        """Make the parameter shard and the master agree with `full` where `changed` (a
+        full-size mask) is set; an untouched element keeps its master value (a bf16
+        parameter must not round an fp32 master it did not change). GatheredParameters'
+        modifier path."""
+        full = self.full
+        with torch.no_grad():
+            if self.param_shard is not None:
+                shard_changed = self.shard_of(changed)
+                self.param_shard.copy_(torch.where(shard_changed, self.shard_of(full), self.param_shard))
+            source = full if not self.policy.shard_optimizer else self.shard_of(full)
+            if self.master is source or self.master is self.param_shard or self.role.master_is_param:
+                return  # the master is the parameter buffer itself: already written
+            mask = changed if not self.policy.shard_optimizer else self.shard_of(changed)
+            self.master.copy_(torch.where(mask, source.to(self.master.dtype), self.master))
 
     # -------------------------------------------------------------- gradients
     def _restart_local(self, buffer: torch.Tensor) -> None:
@@ -247,14 +284,43 @@ class FlatParamGroup:
             )
         return self.reduced_grad
 
-    def adopt_local_as_reduced(self) -> None:
-        """An in-place reduction: the local buffer (or its shard) becomes the reduced gradient,
-        so stages 0 and 1 keep one full gradient buffer, not a second for the result."""
-        base = self.local_grad
-        assert base is not None and self.reduced_grad is None
-        self.reduced_grad = self.shard_of(base) if self.policy.scatter else base
-        self._reduced_in_local = base
-        self.local_grad = None
+    def begin_reduction(self) -> tuple[torch.Tensor, bool]:
+        """Hand the local gradient to the reducer: (the settled local buffer, in place).
+
+        In place when nothing reduced is waiting at stages 0-1: the local buffer (or its
+        shard) becomes the reduced gradient and the reducer writes the result back into it,
+        so those stages keep one full gradient buffer, not a second for the result.
+        Otherwise the reducer copies the values out, accumulates the result into
+        `reduced_grad_buffer()` and calls `end_reduction`.
+        """
+        local = self.settled_local_grad()
+        in_place = (
+            self.reduced_grad is None
+            and local.dtype == self.role.grad_accum_dtype
+            and not self.policy.reduce_every_backward
+        )
+        if in_place:
+            self.reduced_grad = self.shard_of(local) if self.policy.scatter else local
+            self._reduced_in_local = local
+            self.local_grad = None
+        return local, in_place
+
+    def end_reduction(self) -> None:
+        """The local values were copied out for reduction: zero the persistent buffer
+        (stages 0-1) or free it (2-3)."""
+        if self.local_grad is None:
+            return
+        if self.policy.reduce_every_backward:
+            self.local_grad = None
+        else:
+            self._restart_local(self.local_grad)
+
+    def drop_grads(self) -> None:
+        """Forget every accumulated gradient, local and reduced (zero_grad)."""
+        self.master.grad = None
+        if self.local_grad is not None:
+            self.end_reduction()
+        self.clear_reduced()
 
     def clear_reduced(self) -> None:
         """After a step (or zero_grad): zero the reduced gradient; a buffer that was the local
@@ -265,15 +331,6 @@ class FlatParamGroup:
                 self._restart_local(base)  # no zero fill: see `accumulate`
         elif self.reduced_grad is not None:
             self.reduced_grad.zero_()
-
-    def release_local_grad(self) -> None:
-        """After a reduction: zero the persistent buffer (stages 0-1) or free it (2-3)."""
-        if self.local_grad is None:
-            return
-        if self.policy.reduce_every_backward:
-            self.local_grad = None
-        else:
-            self._restart_local(self.local_grad)
 
     def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         return flat.narrow(0, self.offsets[index], self.numels[index]).view(self.shapes[index])

@@ -7,35 +7,19 @@ call them, in the same order.
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from . import comm
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .flat import FlatParamGroup
-
-_ENGINE_ATTR = "_zeroshard_engine"
+from .flat import FlatParamGroup
+from .gather import GatherPiece, all_gather_shards
+from .param_registry import ParamRegistry, registry_of
 
 
-def register(engine: Engine, param: nn.Parameter) -> None:
-    setattr(param, _ENGINE_ATTR, weakref.ref(engine))
-
-
-def _locate(param: nn.Parameter) -> tuple[Engine, FlatParamGroup, int]:
-    ref = getattr(param, _ENGINE_ATTR, None)
-    engine = ref() if ref is not None else None
-    if engine is None:
-        raise ValueError(
-            "this parameter is not managed by a zeroshard engine: pass a parameter of "
-            "engine.module (a frozen parameter has no master, gradient or optimizer state)."
-        )
-    flat, index = engine.locate(param)
-    return engine, flat, index
+def _locate(param: nn.Parameter) -> tuple[ParamRegistry, FlatParamGroup, int]:
+    registry = registry_of(param)
+    flat, index = registry.locate(param)
+    return registry, flat, index
 
 
 def _full_flat(flat: FlatParamGroup, master_layout: torch.Tensor) -> torch.Tensor:
@@ -43,7 +27,8 @@ def _full_flat(flat: FlatParamGroup, master_layout: torch.Tensor) -> torch.Tenso
     if not flat.policy.shard_optimizer:
         return master_layout
     full = torch.empty(flat.padded_numel, dtype=master_layout.dtype, device=master_layout.device)
-    comm.all_gather(full, master_layout.contiguous(), tag="full_tensor")
+    # Exact: the helpers return the values as stored.
+    all_gather_shards([GatherPiece(master_layout, full)], group=flat.spec.shard, tag="full_tensor").wait()
     return full
 
 
@@ -64,24 +49,25 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     took no part in the backward; None when no reduced gradient exists yet (before the
     boundary backward, or after the step cleared it).
     """
-    engine, flat, index = _locate(param)
+    registry, flat, index = _locate(param)
     reduced = flat.reduced_grad
     has_any = torch.tensor([0 if reduced is None else 1], device=flat.device)
-    comm.all_reduce(has_any, op=torch.distributed.ReduceOp.MAX, tag="full_tensor")
+    comm.all_reduce(has_any, group=flat.spec.shard, op=torch.distributed.ReduceOp.MAX, tag="full_tensor")
     if int(has_any) == 0:
         return None
     if reduced is None:
         reduced = flat.reduced_grad_buffer()
     full = _param_slice(flat, _full_flat(flat, reduced), index)
-    scale = engine.loss_scaler.scale
+    scale = registry.loss_scale()
     return full if scale == 1.0 else full / scale
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The optimizer state `optim_state_key` (torch's names: exp_avg, exp_avg_sq,
     momentum_buffer, step) for this parameter, full size; None if the optimizer has none."""
-    engine, flat, index = _locate(param)
-    state = engine.optimizer.state.get(flat.master, {}) if engine.optimizer is not None else {}
+    registry, flat, index = _locate(param)
+    optimizer = registry.optimizer()
+    state = optimizer.state.get(flat.master, {}) if optimizer is not None else {}
     value = state.get(optim_state_key)
     if value is None:
         return None

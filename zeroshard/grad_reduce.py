@@ -4,8 +4,9 @@ The one reduction every stage uses. Each flat buffer's local gradient is divided
 world_size x k (DESIGN section 4's gradient semantics), copied into a bucket in the wire
 dtype, and when the bucket is full (`reduce_bucket_size` elements, as in DeepSpeed) or the
 backward ends, the whole bucket is reduced by one collective: an all-reduce at stage 0, a
-reduce-scatter at stages 1-3. The results are then written (in the accumulation dtype) into
-each flat's reduced gradient.
+reduce-scatter at stages 1-3, over the flats' shard group; with hybrid sharding the result is
+then all-reduced over their replica group, so it sums over every rank. The results are then
+written (in the accumulation dtype) into each flat's reduced gradient.
 
 [Note: why buckets span units]
 A unit is often small (one transformer block); one collective per unit pays the
@@ -24,8 +25,9 @@ becomes the reduced gradient, or at stage 1 its own shard does), so they hold on
 gradient buffer, as before.
 
 [Note: bucket layout]
-With W ranks, a flat's local gradient is viewed as a (W, padded / W) matrix (row r is rank
-r's shard). A bucket is a (W, C) matrix whose column blocks are pieces of flats, so a
+With a shard group of S ranks (the world, unless hybrid sharding splits it: zeroshard/layout.py),
+a flat's local gradient is viewed as a (S, padded / S) matrix (row r is group rank r's shard).
+A bucket is a (S, C) matrix whose column blocks are pieces of flats, so a
 reduce-scatter of the bucket (rank-major, i.e. row by row) leaves rank r the r-th row:
 exactly its shard of every piece. Stage 0's all-reduce uses the same layout although any
 would do: each element then sits at the same place in the same-sized buffer at every stage,
@@ -42,6 +44,7 @@ import torch
 
 from . import comm
 from .flat import FlatParamGroup
+from .layout import ShardingSpec
 
 
 @dataclass
@@ -62,6 +65,7 @@ class _Bucket:
     used: int = 0  # columns filled
     work: object = None  # the collective's handle once issued
     result: torch.Tensor | None = None  # what the collective writes: (rows or 1, used)
+    spec: ShardingSpec | None = None  # the groups the bucket is reduced over
 
     @property
     def capacity(self) -> int:
@@ -87,10 +91,12 @@ class GradientReducer:
         self.bucket_numel = max(1, bucket_numel)
         self._total_cols: dict[tuple, int] = {}
         self._devices: dict[tuple, torch.device] = {}
+        self._specs: dict[tuple, ShardingSpec] = {}
         for flat in flats:
             key = self._key(flat)
             self._total_cols[key] = self._total_cols.get(key, 0) + self._cols(flat)
             self._devices[key] = flat.device
+            self._specs[key] = flat.spec
         self._added_cols: dict[tuple, int] = {}
         self._open: dict[tuple, _Bucket] = {}  # the bucket being filled, per key
         self._issued: list[_Bucket] = []  # collectives in flight, in issue order (at most one)
@@ -98,35 +104,31 @@ class GradientReducer:
     # ----------------------------------------------------------------- layout
     @staticmethod
     def _key(flat: FlatParamGroup) -> tuple:
-        # Flats that can share a collective: same kind of reduction and the same dtypes.
-        return (flat.policy.scatter, flat.role.grad_accum_dtype, flat.role.reduce_dtype)
+        # Flats that can share a collective: same kind of reduction, the same dtypes, the same groups.
+        spec = flat.spec
+        return (
+            flat.policy.scatter, flat.role.grad_accum_dtype, flat.role.reduce_dtype,
+            spec.shard.ranks, spec.replicate.ranks,
+        )
 
     @staticmethod
     def _cols(flat: FlatParamGroup) -> int:
-        return flat.padded_numel // flat.world_size
+        return flat.padded_numel // flat.shard_size
 
     # ------------------------------------------------------------------- add
     def add(self, flat: FlatParamGroup) -> None:
         """Queue `flat`'s local gradient (zeros if it has none) for reduction."""
-        local = flat.settled_local_grad()
         key = self._key(flat)
-        rows, cols = flat.world_size, self._cols(flat)
+        rows, cols = flat.shard_size, self._cols(flat)
         acc_dtype, wire_dtype = flat.role.grad_accum_dtype, flat.role.reduce_dtype
-        # In place when nothing reduced is waiting: the local buffer (stage 0) or its own
-        # shard (stage 1) becomes the reduced gradient, so no second gradient buffer exists.
-        # Stages 2-3 free the local buffer instead (it is transient there).
-        in_place = (
-            flat.reduced_grad is None
-            and local.dtype == acc_dtype
-            and not flat.policy.reduce_every_backward
-        )
+        # In place (stages 0-1, nothing reduced waiting): the local buffer (stage 0) or its
+        # own shard (stage 1) is already the reduced gradient, so no second gradient buffer
+        # exists. It is adopted before staging: issuing a full bucket below may complete an
+        # earlier piece of this very flat, whose result then lands in it; it only writes
+        # columns already staged. Otherwise (stages 2-3) the local buffer is freed below.
+        local, in_place = flat.begin_reduction()
         matrix = local.view(rows, cols)
         divisor = self._divisor()
-        if in_place:
-            # Adopt before staging: issuing a full bucket below may complete an earlier piece
-            # of this very flat, whose result then lands in the (adopted) reduced gradient. It
-            # only writes columns already staged.
-            flat.adopt_local_as_reduced()
         c0 = 0
         while c0 < cols:
             bucket = self._open.get(key)
@@ -148,7 +150,7 @@ class GradientReducer:
             if bucket.used == bucket.capacity:
                 self._issue(key)
         if not in_place:
-            flat.release_local_grad()  # every piece was copied into a bucket above
+            flat.end_reduction()  # every piece was copied into a bucket above
 
     def _new_bucket(self, key: tuple, rows: int, wire_dtype: torch.dtype) -> _Bucket:
         remaining = self._total_cols[key] - self._added_cols.get(key, 0)
@@ -164,15 +166,16 @@ class GradientReducer:
         self._complete_issued()
         bucket = self._open.pop(key)
         scatter = key[0]
+        bucket.spec = spec = self._specs[key]
         data = bucket.staging[:, : bucket.used]
         if bucket.used < bucket.capacity:
             data = data.contiguous()  # rank-major rows for the reduce-scatter
         if scatter:
             out = torch.empty(bucket.used, dtype=data.dtype, device=data.device)
-            bucket.work = comm.reduce_scatter(out, data.view(-1), tag="grad", async_op=True)
+            bucket.work = comm.reduce_scatter(out, data.view(-1), group=spec.shard, tag="grad", async_op=True)
             bucket.result = out.view(1, -1)  # this rank's row
         else:
-            bucket.work = comm.all_reduce(data, tag="grad", async_op=True)
+            bucket.work = comm.all_reduce(data, group=spec.shard, tag="grad", async_op=True)
             bucket.result = data  # every row
         self._issued.append(bucket)
 
@@ -188,6 +191,9 @@ class GradientReducer:
         for bucket in issued:
             if bucket.work is not None:
                 bucket.work.wait()
+            if bucket.spec.replication > 1:
+                # Hybrid sharding: the shard group's sum, summed again over the replicas.
+                comm.all_reduce(bucket.result, group=bucket.spec.replicate, tag="grad")
             for piece in bucket.pieces:
                 self._complete(piece, bucket.result[:, piece.offset : piece.offset + piece.c1 - piece.c0])
 
@@ -200,7 +206,7 @@ class GradientReducer:
         if flat.policy.scatter:
             result = result[0]
         else:
-            reduced = reduced.view(flat.world_size, -1)
+            reduced = reduced.view(flat.shard_size, -1)
         target = reduced[..., piece.c0 : piece.c1]
         if piece.in_place:
             target.copy_(result)  # the reduced gradient is (part of) the local buffer: adopted in `add`

@@ -40,9 +40,11 @@ class Unit:
     def gathered(self) -> bool:
         return all(f.state is ShardState.UNSHARDED for f in self.flats)
 
-    def gather(self) -> None:
+    def gather(self, tag: str = "param", exact: bool = False) -> None:
+        """Materialise every flat's full parameters (`exact`: in the parameter dtype, not the
+        plan's gather dtype; for readers such as exports, not for compute)."""
         for flat in self.flats:
-            flat.gather_full()
+            flat.gather_full(tag, exact)
 
     def start_gather(self) -> None:
         for flat in self.flats:

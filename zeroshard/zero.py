@@ -33,14 +33,14 @@ def GatheredParameters(
     if isinstance(params, torch.Tensor):
         params = [params]
     flats = {}
-    engine = None
+    registry = None
     for p in params:
         try:
-            engine, flat, _ = _locate(p)
+            registry, flat, _ = _locate(p)
         except ValueError:
             continue  # not managed (frozen): it is always whole on every rank
         flats[id(flat)] = flat
-    ordered = [f for f in engine.flats if id(f) in flats] if engine is not None else []
+    ordered = [f for f in registry.flats if id(f) in flats] if registry is not None else []
     gathered_here = []
     for flat in ordered:
         if flat.param_shard is not None and flat.state.value == "sharded":
@@ -54,22 +54,7 @@ def GatheredParameters(
         if modifier_rank is not None:
             with torch.no_grad():
                 for flat, old in zip(ordered, before, strict=True):
-                    comm.broadcast(flat.full, src=modifier_rank, tag="gathered_parameters")
-                    _write_back(flat, changed=flat.full.ne(old))
+                    comm.broadcast(flat.full, group=flat.spec.peers, src=modifier_rank, tag="gathered_parameters")
+                    flat.write_back_full(changed=flat.full.ne(old))
         for flat in gathered_here:
             flat.free_full()
-
-
-def _write_back(flat, changed: torch.Tensor) -> None:
-    """Make the shard and the master agree with the full parameters, element by element
-    where the modifier changed them: an untouched element keeps its master value (a bf16
-    parameter must not round an fp32 master it did not change)."""
-    full = flat.full
-    if flat.param_shard is not None:
-        shard_changed = flat.shard_of(changed)
-        flat.param_shard.copy_(torch.where(shard_changed, flat.shard_of(full), flat.param_shard))
-    source = full if not flat.policy.shard_optimizer else flat.shard_of(full)
-    if flat.master is source or flat.master is flat.param_shard or flat.role.master_is_param:
-        return  # the master is the parameter buffer itself: already written
-    mask = changed if not flat.policy.shard_optimizer else flat.shard_of(changed)
-    flat.master.copy_(torch.where(mask, source.to(flat.master.dtype), flat.master))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroshard
+from zeroshard import _compat
 from zeroshard.optim.muon import ShardedMuon, matrix_layout, split_param_groups
 
 VOCAB, DIM, SEQ, MICRO = 11, 6, 5, 2
@@ -181,7 +182,7 @@ def _full_params(engine) -> dict[str, torch.Tensor]:
         master = flat.master.detach().float()
         if master.numel() != flat.padded_numel:
             gathered = torch.empty(flat.padded_numel)
-            torch.distributed.all_gather_single(gathered, master.contiguous())
+            _compat.all_gather_single(gathered, master.contiguous())
             master = gathered
         for index, name in enumerate(flat.names):
             full[name] = flat.param_view(master, index).clone()

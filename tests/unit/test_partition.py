@@ -135,4 +135,4 @@ def test_local_gradient_sums_what_arrived_and_is_zero_elsewhere(monkeypatch, sta
         expected[41:297] = g3.float().reshape(-1)
         assert torch.equal(local, expected)  # exact: one fp32 add of two bf16 values
         local.fill_(123.0)  # stale values that a restart must not leak into the next sum
-        flat.release_local_grad()
+        flat.end_reduction()

@@ -88,7 +88,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
     for unit in engine.units:
         was_gathered = unit.gathered
         if not was_gathered:
-            unit.gather()
+            unit.gather(tag="export", exact=True)  # bit-exact parameters, not the wire dtype
         try:
             if rank0:
                 for flat in unit.flats:

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..ranges import overlap
 from .base import CheckpointError, rank_file_name
 from .validate import check_index_geometry, flat_lengths
 
@@ -384,10 +385,10 @@ class CheckpointReader:
         pieces = []
         stop = start + length
         for frag in sorted(entry["fragments"], key=lambda f: f["offset"]):
-            lo = max(start, frag["offset"])
-            hi = min(stop, frag["offset"] + frag["numel"])
-            if lo >= hi:
+            common = overlap(start, stop, frag["offset"], frag["offset"] + frag["numel"])
+            if common is None:
                 continue
+            lo, hi = common
             begin = frag["start"] + lo - frag["offset"]
             piece = self._get(rank_file_name(frag["rank"]), tensor_name(kind, frag["tensor"]), begin, begin + hi - lo)
             if piece.numel() != hi - lo:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..publish import publish_masters
+from ..ranges import overlap
 from .fields import (
     check_param_groups,
     check_scaler_state,
@@ -154,9 +155,9 @@ def _assemble(flat: Any, read, kind: str, dtype: torch.dtype) -> torch.Tensor:
     master_start, master_len = flat.master_range()
     out = torch.zeros(master_len, dtype=dtype)
     for i, name in enumerate(flat.names):
-        lo = max(flat.offsets[i], master_start)
-        hi = min(flat.offsets[i] + flat.numels[i], master_start + master_len)
-        if lo < hi:
+        common = overlap(flat.offsets[i], flat.offsets[i] + flat.numels[i], master_start, master_start + master_len)
+        if common is not None:
+            lo, hi = common
             out[lo - master_start : hi - master_start].copy_(read(name, kind, lo - flat.offsets[i], hi - lo))
     return out
 
@@ -360,20 +361,16 @@ def _write_into_engine(engine: Any, loaded: _Loaded) -> None:
     module = engine.module
     with torch.no_grad():
         for flat, master in zip(engine.flats, loaded.masters, strict=True):
-            flat.master.copy_(master.to(flat.master.device))
+            flat.load_master(master)
         if loaded.optimizer_states is not None:
             for flat, state in zip(engine.flats, loaded.optimizer_states, strict=True):
-                engine.optimizer.state[flat.master] = {
-                    k: v.to(flat.master.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                    for k, v in state.items()
-                }
+                flat.load_optimizer_state(engine.optimizer, state)
         if loaded.param_groups is not None:
             _restore_param_groups(engine.optimizer, loaded.param_groups, loaded.lr_only)
         # A collective at stages 1-2 (same flats, same order on every rank).
         publish_masters(engine.flats, engine.config.zero_optimization.allgather_bucket_size)
         for flat in engine.flats:
-            if flat.param_shard is not None:
-                flat.free_full()  # stage 3: a gathered copy would be stale; the next use re-gathers
+            flat.free_full()  # stage 3: a gathered copy would be stale; the next use re-gathers
         tensors = dict(module.named_parameters(remove_duplicate=False))
         tensors.update(module.named_buffers(remove_duplicate=False))
         for name, value in loaded.module_values.items():

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..ranges import overlap
 from .files import finish_file, fsync_dir, open_exclusive, remove_entry, write_bytes_exclusive, write_text_atomic
 from .format import (
     EXTRAS_FILE,
@@ -165,10 +166,13 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
                     f"({type(value).__name__}); zeroshard cannot shard it."
                 )
         fragments = {}
+        # One replica of each shard is indexed (hybrid sharding: the first replica group's);
+        # offsets are in the shard group's layout, `rank` names the file that holds them.
+        indexed = flat.spec.replicate.rank == 0
         for i, name in enumerate(flat.names):
-            lo = max(flat.offsets[i], owned_start)
-            hi = min(flat.offsets[i] + flat.numels[i], owned_start + owned_len)
-            if lo < hi:
+            common = overlap(flat.offsets[i], flat.offsets[i] + flat.numels[i], owned_start, owned_start + owned_len)
+            if indexed and common is not None:
+                lo, hi = common
                 fragments[name] = {
                     "rank": rank,
                     "offset": lo - flat.offsets[i],

@@ -10,27 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
+from .. import comm
 from .format import CheckpointError
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def all_gather_object(obj: Any) -> list[Any]:
-    """`obj` from every rank, in rank order ([obj] without a process group)."""
-    if not _distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    """`obj` from every rank, in rank order ([obj] without a process group). Checkpoint I/O
+    is agreed over the whole world: every rank reads and writes its files."""
+    return comm.all_gather_object(obj, group=comm.world_group())
 
 
 def is_rank_zero() -> bool:
     """Whether this process is rank 0 (or the only process)."""
-    return not _distributed() or dist.get_rank() == 0
+    return comm.rank() == 0
 
 
 def describe(error: BaseException) -> str:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard import comm
 from zeroshard.config import load_config
 from zeroshard.demo.data import DEFAULT_MAX_BYTES, ByteWindows, build_datasets, stdlib_root
 from zeroshard.demo.model import PRESETS, build_gpt
@@ -100,8 +101,9 @@ def check_run_dir(run_dir: Path, model: str) -> None:
 def all_ranks_mean(value: torch.Tensor) -> float:
     """Mean of a scalar over all ranks."""
     value = value.detach().float().clone()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
+    world = comm.world_group()
+    comm.all_reduce(value, group=world, tag="demo")
+    return value.item() / world.size
 
 
 @torch.no_grad()
@@ -124,8 +126,8 @@ def evaluate(engine, val_data: ByteWindows, num_windows: int) -> float:
         loss_sum += loss.float() * len(pairs)
         count += len(pairs)
     engine.train()
-    dist.all_reduce(loss_sum)
-    dist.all_reduce(count)
+    comm.all_reduce(loss_sum, group=engine.layout.world, tag="demo")
+    comm.all_reduce(count, group=engine.layout.world, tag="demo")
     return (loss_sum / count).item()
 
 

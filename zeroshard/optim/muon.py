@@ -40,11 +40,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .. import comm
+from ..gather import GatherPiece, all_gather_shards
+from ..ranges import overlap
 from .newton_schulz import (
     DEFAULT_NS_STEPS,
     NS_DTYPE_NAMES,
     NS_METHODS,
+    ns_input_dtype,
     orthogonalize,
     resolve_ns_dtype,
     update_scale,
@@ -461,8 +463,8 @@ def _muon_layout(flat: FlatParamGroup) -> _MuonLayout:
             label = name if count == 1 else f"{name}[{e}]"
             pieces.append((label, offset + e * rows * cols, rows, cols))
     costs = [r * c * min(r, c) for _, _, r, c in pieces]
-    owners = assign_owners(costs, flat.world_size)
-    loads = [0] * flat.world_size
+    owners = assign_owners(costs, flat.shard_size)  # ranks of the shard group
+    loads = [0] * flat.shard_size
     tasks = []
     for (label, offset, rows, cols), owner in zip(pieces, owners, strict=True):
         tasks.append(_MatrixTask(label, offset, rows, cols, update_scale(rows, cols), owner, loads[owner]))
@@ -544,33 +546,32 @@ class ShardedMuon(torch.optim.Optimizer):
         if master_numel == flat.padded_numel:
             full_u = u
         else:
-            # A narrower wire dtype changes nothing: NS casts its input to it first.
-            wire = compute_dtype if compute_dtype.itemsize < u.dtype.itemsize else u.dtype
+            wire = ns_input_dtype(compute_dtype, u.dtype)  # never fp16 before normalising
             full_u = torch.empty(flat.padded_numel, dtype=wire, device=u.device)
-            comm.all_gather(full_u, u.to(wire), tag="muon")
+            all_gather_shards([GatherPiece(u, full_u)], group=flat.spec.shard, tag="muon", wire_dtype=wire).wait()
 
         packed = torch.zeros(layout.pack_numel, dtype=compute_dtype, device=p.device)
         mine: dict[tuple[int, int], list[_MatrixTask]] = {}
         for task in layout.tasks:
-            if task.owner == flat.rank:
+            if task.owner == flat.shard_rank:
                 mine.setdefault((task.rows, task.cols), []).append(task)
         for (rows, cols), tasks in mine.items():
             batch = torch.stack([full_u.narrow(0, t.flat_offset, t.numel).view(rows, cols) for t in tasks])
             result = orthogonalize(batch, group["ns_steps"], group["ns_method"], compute_dtype)
             for t, o in zip(tasks, result, strict=True):
                 packed.narrow(0, t.pack_offset, t.numel).copy_(o.reshape(-1))
-        if flat.world_size > 1:
-            every = torch.empty(flat.world_size * layout.pack_numel, dtype=compute_dtype, device=p.device)
-            comm.all_gather(every, packed, tag="muon")
+        if flat.shard_size > 1:
+            every = torch.empty(flat.shard_size * layout.pack_numel, dtype=compute_dtype, device=p.device)
+            all_gather_shards([GatherPiece(packed, every)], group=flat.spec.shard, tag="muon").wait()
         else:
             every = packed
 
         update = torch.zeros_like(u)
         for t in layout.tasks:  # the part of each O that falls in this rank's master range
-            lo = max(t.flat_offset, master_start)
-            hi = min(t.flat_offset + t.numel, master_start + master_numel)
-            if lo >= hi:
+            common = overlap(t.flat_offset, t.flat_offset + t.numel, master_start, master_start + master_numel)
+            if common is None:
                 continue
+            lo, hi = common
             source = every.narrow(0, t.owner * layout.pack_numel + t.pack_offset + lo - t.flat_offset, hi - lo)
             target = update.narrow(0, lo - master_start, hi - lo)
             target.copy_(source)

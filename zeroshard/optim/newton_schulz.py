@@ -35,6 +35,16 @@ Newton-Schulz): X = Q X, R = X X^T, Q = I. Half precision needs it; fp32 does to
 here on 6x12 to 64x256 matrices with condition number 1e4, fp32 against fp64: without the
 restart the Gram result is off by up to 3.6e-4, with it by 6e-6, as the standard iteration
 (5e-6). The restart costs 2 n^2 m and leaves the break-even at m = 1.5 n.
+
+[Note: normalise before casting]
+Momentum directions after gradient clipping are small: element RMS 1e-6..3e-5 is typical at
+1B scale. fp16 has normal numbers only down to 6.1e-5; below that it keeps fewer and fewer
+mantissa bits (about 4 at 1e-6), so casting G to fp16 first and dividing by its norm
+afterwards lost 3-78% of the update (relative error against float64). The input is
+therefore divided by its Frobenius norm in fp32 (or in the input's dtype when wider) and
+only the result, whose entries are at most 1 and typically 1/sqrt(n m) ~ 1e-3..1e-1, is cast
+to the compute dtype. For the same reason whoever moves G before Newton-Schulz must not
+narrow it to fp16 (`ns_input_dtype`); bf16 has fp32's exponent range and may carry it.
 """
 
 from __future__ import annotations
@@ -84,6 +94,22 @@ def resolve_ns_dtype(
         raise ValueError(
             f"ns_dtype={name!r}: unknown dtype. Use one of {', '.join(NS_DTYPE_NAMES)}."
         ) from None
+
+
+def ns_input_dtype(compute_dtype: torch.dtype, source_dtype: torch.dtype) -> torch.dtype:
+    """The narrowest dtype that carries a Newton-Schulz input of `source_dtype` without loss
+    that normalisation would not also cause (see [Note: normalise before casting]).
+
+    The compute dtype when it is narrower than the source and has at least the source's
+    exponent range (bf16 for fp32 inputs: rounding to 8 mantissa bits before the fp32
+    normalisation costs what the cast after it costs); otherwise the source dtype (fp16
+    would flush small un-normalised entries into its subnormals).
+    """
+    if compute_dtype.itemsize >= source_dtype.itemsize or not compute_dtype.is_floating_point:
+        return source_dtype
+    if torch.finfo(compute_dtype).tiny <= torch.finfo(source_dtype).tiny:
+        return compute_dtype
+    return source_dtype
 
 
 def standard_cost(n: int, m: int, steps: int) -> int:
@@ -148,14 +174,14 @@ def orthogonalize(
     shape = matrices.shape
     rows, cols = shape[-2], shape[-1]
     transposed = rows > cols
-    x = matrices.reshape(-1, rows, cols).to(compute_dtype)
+    # Normalise in fp32 at least (or the input's wider dtype), then cast: see
+    # [Note: normalise before casting].
+    norm_dtype = torch.promote_types(torch.promote_types(compute_dtype, matrices.dtype), torch.float32)
+    x = matrices.reshape(-1, rows, cols).to(norm_dtype)
     if transposed:
         x = x.mT
-    # Frobenius norm per matrix, in fp32 at least: a half-precision sum of squares of a
-    # large matrix loses the digits that set the scale of everything after it.
-    norm_dtype = torch.promote_types(compute_dtype, torch.float32)
-    norms = torch.linalg.vector_norm(x.to(norm_dtype), dim=(-2, -1), keepdim=True)
-    x = (x / (norms + NORM_EPS).to(compute_dtype)).contiguous()
+    norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    x = (x / (norms + NORM_EPS)).to(compute_dtype).contiguous()
     n, m = x.shape[-2], x.shape[-1]
     if method == "gram" and gram_is_cheaper(n, m, steps, GRAM_RESTARTS):
         x = _gram(x, steps, GRAM_RESTARTS)

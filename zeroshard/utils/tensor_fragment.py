@@ -126,18 +126,19 @@ def _reduced_for_writing(flat: FlatParamGroup, what: str) -> torch.Tensor:
     return flat.reduced_grad_buffer()
 
 
-def _write_grad(engine, flat: FlatParamGroup, index: int, part: torch.Tensor, in_param: int, what: str) -> None:
+def _write_grad(registry, flat: FlatParamGroup, index: int, part: torch.Tensor, in_param: int, what: str) -> None:
     at, from_param, length = _local_range(flat, index)
     reduced = _reduced_for_writing(flat, what)
     if length:
-        scale = engine.loss_scaler.scale  # the reduced gradient is kept scaled until the step
+        scale = registry.loss_scale()  # the reduced gradient is kept scaled until the step
         piece = part.narrow(0, from_param - in_param, length)
         with torch.no_grad():
             reduced.narrow(0, at, length).copy_(piece if scale == 1.0 else piece * scale)
 
 
-def _state_tensor(engine, flat: FlatParamGroup, key: str, what: str) -> torch.Tensor:
-    state = engine.optimizer.state.get(flat.master, {}) if engine.optimizer is not None else {}
+def _state_tensor(registry, flat: FlatParamGroup, key: str, what: str) -> torch.Tensor:
+    optimizer = registry.optimizer()
+    state = optimizer.state.get(flat.master, {}) if optimizer is not None else {}
     if key not in state:
         raise KeyError(
             f"{what}: the optimizer has no state {key!r} for this parameter (known: {sorted(state)}). "
@@ -146,8 +147,8 @@ def _state_tensor(engine, flat: FlatParamGroup, key: str, what: str) -> torch.Te
     return state[key]
 
 
-def _write_state(engine, flat, index, key, part, in_param, what) -> None:
-    tensor = _state_tensor(engine, flat, key, what)
+def _write_state(registry, flat, index, key, part, in_param, what) -> None:
+    tensor = _state_tensor(registry, flat, key, what)
     with torch.no_grad():
         if tensor.dim() == 0:
             raise ValueError(
@@ -190,16 +191,16 @@ def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     zero)."""
     what = "safe_set_full_grad"
     _refuse_frozen(param, what)
-    engine, flat, index = _locate(param)
-    _write_grad(engine, flat, index, _flat_value(value, flat, index, what), 0, what)
+    registry, flat, index = _locate(param)
+    _write_grad(registry, flat, index, _flat_value(value, flat, index, what), 0, what)
 
 
 def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set the optimizer state `optim_state_key` of the parameter (after the first step)."""
     what = "safe_set_full_optimizer_state"
     _refuse_frozen(param, what)
-    engine, flat, index = _locate(param)
-    _write_state(engine, flat, index, optim_state_key, _flat_value(value, flat, index, what), 0, what)
+    registry, flat, index = _locate(param)
+    _write_state(registry, flat, index, optim_state_key, _flat_value(value, flat, index, what), 0, what)
 
 
 def safe_update_full_grad_vectorized(param_list: list[nn.Parameter], update_func: Callable) -> None:
@@ -235,11 +236,11 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
     """This rank's part of the reduced, unscaled gradient, flattened; None when there is none."""
     if _frozen(param):
         return None
-    engine, flat, index = _locate(param)
+    registry, flat, index = _locate(param)
     if flat.reduced_grad is None:
         return None
     part = _local_slice(flat, index, flat.reduced_grad)
-    scale = engine.loss_scaler.scale
+    scale = registry.loss_scale()
     return part if scale == 1.0 else part / scale
 
 
@@ -247,8 +248,9 @@ def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) ->
     """This rank's part of the optimizer state `optim_state_key`, flattened."""
     if _frozen(param):
         return None
-    engine, flat, index = _locate(param)
-    state = engine.optimizer.state.get(flat.master, {}) if engine.optimizer is not None else {}
+    registry, flat, index = _locate(param)
+    optimizer = registry.optimizer()
+    state = optimizer.state.get(flat.master, {}) if optimizer is not None else {}
     value = state.get(optim_state_key)
     if value is None:
         return None
@@ -266,14 +268,14 @@ def safe_set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
 def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     what = "safe_set_local_grad"
     _refuse_frozen(param, what)
-    engine, flat, index = _locate(param)
+    registry, flat, index = _locate(param)
     _, from_param, _ = _local_range(flat, index)
-    _write_grad(engine, flat, index, _local_value(value, flat, index, what), from_param, what)
+    _write_grad(registry, flat, index, _local_value(value, flat, index, what), from_param, what)
 
 
 def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     what = "safe_set_local_optimizer_state"
     _refuse_frozen(param, what)
-    engine, flat, index = _locate(param)
+    registry, flat, index = _locate(param)
     _, from_param, _ = _local_range(flat, index)
-    _write_state(engine, flat, index, optim_state_key, _local_value(value, flat, index, what), from_param, what)
+    _write_state(registry, flat, index, optim_state_key, _local_value(value, flat, index, what), from_param, what)

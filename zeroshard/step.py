@@ -1,0 +1,135 @@
+"""The optimizer step: from the reduced gradient to updated module parameters.
+
+One owner for: cast the reduced gradient to the master dtype, unscale it (fp16), the global
+norm over every flat's shard, the overflow decision (agreed by every rank through the
+norm's all-reduce), clipping, the optimizer step, publishing the new masters into the
+module parameters, the scheduler step, and clearing the gradients.
+
+[Note: where masters and optimizer state live]
+The home of the master weights and the optimizer state is decided here, once, from the
+flats' sharding specs (`ShardingSpec.placement`): "device" is the only one today. CPU
+offload attaches here: a "host" placement would keep masters and optimizer state on the
+host, move the reduced gradient there before the step and the updated master back in
+`publish_masters`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import comm
+from .flat import FlatParamGroup
+from .layout import PLACEMENTS, ParallelLayout
+from .loss_scale import LossScaler
+from .publish import publish_masters
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: the pre-clip norm, the norm after clipping, whether it was skipped
+    (non-finite gradient) and the loss scale it ran with."""
+
+    norm: float
+    post_clip_norm: float
+    overflow: bool
+    scale: float
+
+
+def resolve_placement(flats: list[FlatParamGroup]) -> str:
+    """Where the masters and optimizer state live: the one placement every flat's spec names."""
+    placements = {flat.spec.placement for flat in flats} or {"device"}
+    if len(placements) != 1 or not placements <= set(PLACEMENTS):
+        raise ValueError(f"master placements {sorted(placements)}: one of {PLACEMENTS} for every flat is supported.")
+    return placements.pop()
+
+
+class OptimizerStep:
+    """Steps the optimizer on the flats' masters (a collective: every rank calls `run`).
+
+    Args:
+        flats: every flat, in the engine's order.
+        layout: the parallel layout (the norm is summed over its world).
+        check_overflow: skip the step on a non-finite norm (the precision plan says when).
+        loss_scaler: the loss scale to unscale by, updated after each step.
+        clip: gradient_clipping (0: none).
+        publish_bucket_numel: allgather_bucket_size for stage 1-2 publishing.
+        device: where a norm of no flats lives.
+    """
+
+    def __init__(
+        self,
+        flats: list[FlatParamGroup],
+        layout: ParallelLayout,
+        check_overflow: bool,
+        loss_scaler: LossScaler,
+        clip: float | None,
+        publish_bucket_numel: int,
+        device: torch.device,
+    ) -> None:
+        self.flats = flats
+        self.layout = layout
+        self.check_overflow = check_overflow
+        self.loss_scaler = loss_scaler
+        self.clip = clip
+        self.publish_bucket_numel = publish_bucket_numel
+        self.device = device
+        self.placement = resolve_placement(flats)
+        self.optimizer: Any = None
+        self.lr_scheduler: Any = None
+
+    def run(self) -> StepResult:
+        """One step on the reduced gradients; skipped (parameters and optimizer state
+        untouched) if the global norm is not finite and the plan checks overflow."""
+        scale = self.loss_scaler.scale
+        for flat in self.flats:
+            grad = flat.reduced_grad_buffer()
+            if grad.dtype != flat.master.dtype:
+                grad = grad.to(flat.master.dtype)
+            if scale != 1.0:
+                grad.mul_(1.0 / scale)
+            flat.master.grad = grad
+
+        norm = self.global_norm()
+        overflow = self.check_overflow and not math.isfinite(norm)
+        if overflow:
+            post_clip = norm
+        else:
+            coef = self.clip / (norm + 1e-6) if self.clip and self.clip > 0 else 1.0
+            if coef < 1.0:
+                for flat in self.flats:
+                    flat.master.grad.mul_(coef)
+            post_clip = norm * min(1.0, coef)
+            self.optimizer.step()
+            publish_masters(self.flats, self.publish_bucket_numel)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        for flat in self.flats:
+            flat.master.grad = None
+            flat.clear_reduced()
+        return StepResult(norm, post_clip, overflow, scale)
+
+    def global_norm(self) -> float:
+        """L2 norm of the whole reduced, unscaled gradient, summed shard by shard.
+
+        Every stage sums the same per-shard partial sums in the same order, so the norm
+        (and hence clipping) is bitwise identical across stages. A flat replicated over R
+        ranks contributes 1/R of its partial on each (zeroshard/layout.py's note), so every
+        tensor counts once in the world's sum.
+        """
+        partials = []
+        for flat in self.flats:
+            grad = flat.master.grad
+            shard = grad if flat.policy.shard_optimizer else flat.shard_of(grad)
+            partial = shard.float().pow(2).sum()
+            if flat.spec.replication > 1:
+                partial = partial / flat.spec.replication
+            partials.append(partial)
+        total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
+        total = total.reshape(1).to(torch.float32)
+        comm.all_reduce(total, group=self.layout.world, tag="norm")
+        return float(total.sqrt())
