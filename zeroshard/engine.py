@@ -26,6 +26,7 @@ from .engine_api import EngineAPI
 from .flat import FlatParamGroup
 from .grad_path import GradientPath
 from .grad_reduce import GradientReducer
+from .grad_views import GradViews
 from .layout import ParallelLayout
 from .loss_scale import make_loss_scaler
 from .optim import build_optimizer, muon, repoint_optimizer
@@ -149,6 +150,7 @@ class Engine(EngineAPI):
             loss_scale=lambda: 1.0 if self._backward_prescaled else self.loss_scaler.scale,
             is_boundary=self.is_gradient_accumulation_boundary,
         )
+        self._grads.views = GradViews(self.flats, self.policy, lambda: self.loss_scaler.scale)
         if not self.policy.keep_full_params:
             self._grads.params = ParamSchedule(
                 self.units, zero.stage3_prefetch_bucket_size, lambda: self._grads.in_backward
@@ -332,7 +334,8 @@ class Engine(EngineAPI):
                         "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
                     )
                 self._grads.flush()
-                result = self._step.run()
+                result = self._step.run()  # applies .grad changed in place through the views
+                self._grads.views.clear()
                 self._global_grad_norm = result.norm
                 self._post_clip_grad_norm = result.post_clip_norm
                 if result.overflow:
