@@ -11,7 +11,8 @@ bytes cross a wire.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +45,28 @@ class Group:
     Attributes:
         ranks: the members' global ranks, in group-rank order.
         rank: this process's index in `ranks` (its group rank).
-        handle: torch's process group; None for a group of one (no communication).
+        handle_ref: a weak reference to torch's process group; None for a group of one (no
+            communication). Weak so that an engine alive at exit does not keep the group, and
+            its gloo threads, alive past destroy_process_group ([Note: process-group lifetime]
+            in zeroshard/distributed.py).
     """
 
     ranks: tuple[int, ...]
     rank: int
-    handle: object = None
+    handle_ref: Callable[[], object] | None = None
+
+    @property
+    def handle(self) -> object:
+        """torch's process group; None for a group of one (no communication)."""
+        if self.handle_ref is None:
+            return None
+        handle = self.handle_ref()
+        if handle is None:
+            raise RuntimeError(
+                f"{self!r}: its process group was destroyed (destroy_process_group). Use the engine "
+                "only while its process group exists."
+            )
+        return handle
 
     @property
     def size(self) -> int:
@@ -62,7 +79,16 @@ class Group:
 def world_group() -> Group:
     """Every rank (the default process group, named explicitly)."""
     initialized = dist.is_available() and dist.is_initialized()
-    return Group(tuple(range(world_size())), rank(), dist.group.WORLD if initialized else None)
+    return Group(tuple(range(world_size())), rank(), _weak(dist.group.WORLD) if initialized else None)
+
+
+def _weak(handle: object) -> Callable[[], object] | None:
+    if handle is None:
+        return None
+    try:
+        return weakref.ref(handle)
+    except TypeError:  # torch's marker for a group this rank is not in (not a group object)
+        return lambda: handle
 
 
 def self_group(world: Group) -> Group:
@@ -76,7 +102,7 @@ def new_group(members: tuple[int, ...], world: Group) -> Group:
     members = tuple(members)
     mine = world.ranks[world.rank]
     handle = dist.new_group(list(members)) if len(members) > 1 else None
-    return Group(members, members.index(mine) if mine in members else -1, handle)
+    return Group(members, members.index(mine) if mine in members else -1, _weak(handle))
 
 
 def _check(group: Group) -> Group:
