@@ -33,6 +33,8 @@ __all__ = [
     "reduce_scatter",
     "all_gather",
     "broadcast",
+    "all_to_all_single",
+    "group_of",
     "world_size",
     "rank",
 ]
@@ -115,7 +117,7 @@ class CollectiveRecord:
     """One collective as it went on the wire.
 
     Attributes:
-        op: "all_reduce", "reduce_scatter", "all_gather" or "broadcast".
+        op: "all_reduce", "reduce_scatter", "all_gather", "broadcast" or "all_to_all".
         dtype: the dtype of the tensors sent.
         numel: elements of the full, unsharded buffer (the reduce-scatter input, the
             all-gather output).
@@ -289,3 +291,34 @@ def all_gather_object(obj: object, *, group: Group) -> list[object]:
     out: list[object] = [None] * group.size
     dist.all_gather_object(out, obj, group=group.handle)
     return out
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    *,
+    group: Group,
+    tag: str = "",
+) -> torch.Tensor:
+    """Send the i-th slice of `input` (along dim 0) to group rank i; slice j of `output` is what
+    group rank j sent. Equal slices when the split sizes are None, as torch's function.
+
+    Recorded with the elements this rank sends. On a group of one, `output` is a copy of `input`.
+    """
+    if _check(group).size == 1:
+        output.copy_(input)
+        return output
+    _record("all_to_all", input, input.numel(), tag, group)
+    dist.all_to_all_single(
+        output, input.contiguous(), output_split_sizes, input_split_sizes, group=group.handle
+    )
+    return output
+
+
+def group_of(handle: object) -> Group:
+    """A `Group` for a torch process group a caller holds (DeepSpeed code passes those as
+    `ep_group`); a handle of one rank becomes a group without communication."""
+    ranks = tuple(dist.get_process_group_ranks(handle))
+    return Group(ranks, ranks.index(rank()), _weak(handle) if len(ranks) > 1 else None)

@@ -29,6 +29,7 @@ from .grad_reduce import GradientReducer
 from .grad_views import GradViews
 from .layout import ParallelLayout
 from .loss_scale import make_loss_scaler
+from .moe.utils import attach_expert_groups, is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from .optim import build_optimizer, muon, repoint_optimizer
 from .param_registry import ParamRegistry
 from .param_schedule import ParamSchedule
@@ -37,6 +38,7 @@ from .stages import stage_policy
 from .step import OptimizerStep, StepResult
 from .unit import Unit
 from .units import plan_units
+from .utils import groups
 from .utils.z3_leaf_module import apply_leaf_module_config
 
 logger = logging.getLogger("zeroshard")
@@ -113,6 +115,16 @@ class Engine(EngineAPI):
         self._post_clip_grad_norm: float | None = None
         self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
+        # MoE layers get their expert-parallel groups (collective, the same order everywhere)
+        # before any flat is built: expert flats are sharded over those groups.
+        self.expert_group_names = attach_expert_groups(model)
+        if optimizer is None and model_parameters is None and self.expert_group_names:
+            # The optimizer comes from the config: keep expert parameters in groups of their
+            # own, as DeepSpeed asks users to (split_params_into_different_moe_groups_for_optimizer).
+            model_parameters = split_params_into_different_moe_groups_for_optimizer(
+                {"params": [p for p in model.parameters() if p.requires_grad], "name": "dense-params"},
+                max_group_size=None,
+            )
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
         if muon.is_muon_requested(optimizer, config.optimizer):
             # Muon and AdamW parameters in separate groups, hence separate flats (optim/muon.py).
@@ -183,9 +195,11 @@ class Engine(EngineAPI):
         specs = plan_units(model, extras.unit_module_classes, extras.unit_min_params)
         units = []
         for spec in specs:
-            classes: dict[tuple[str, int], tuple[list[str], list[nn.Parameter]]] = {}
+            # One flat per (precision role, optimizer group, expert group): expert parameters
+            # are sharded over their expert-data-parallel group, dense ones over the layout's.
+            classes: dict[tuple[str, int, str | None], tuple[list[str], list[nn.Parameter]]] = {}
             for name, p in zip(spec.param_names, spec.params, strict=False):
-                key = (self._param_group_name[id(p)], group_of[id(p)])
+                key = (self._param_group_name[id(p)], group_of[id(p)], p.group_name if is_moe_param(p) else None)
                 classes.setdefault(key, ([], []))
                 classes[key][0].append(name)
                 classes[key][1].append(p)
@@ -199,12 +213,18 @@ class Engine(EngineAPI):
             flats = [
                 FlatParamGroup(
                     spec.name, names, params, self.precision_plan.groups[role_name],
-                    opt_group, policy, self.device, self.layout.dense,
+                    opt_group, policy, self.device, self._sharding(expert_group),
                 )
-                for (role_name, opt_group), (names, params) in classes.items()
+                for (role_name, opt_group, expert_group), (names, params) in classes.items()
             ]
             units.append(Unit(spec.name, spec.module, flats))
         return units
+
+    def _sharding(self, expert_group: str | None):
+        """Expert flats: over their expert-data-parallel group; dense flats: the layout's."""
+        if expert_group is None:
+            return self.layout.dense
+        return self.layout.expert(groups._get_expert_data_parallel_group(expert_group))
 
     def _make_optimizer(self, optimizer, hyper, masters_by_group):
         groups = [dict(h, params=m) for h, m in zip(hyper, masters_by_group, strict=True)]

@@ -156,6 +156,7 @@ def explain_data(
         "defaults_applied": list(config.defaults_applied),
         "no_effect_keys": list(config.no_effect_keys),
         "model": None,
+        "moe": None,
     }
     estimate: MemoryEstimate | None = None
     if model_spec is not None:
@@ -165,7 +166,13 @@ def explain_data(
         units = _unit_numels(model, config)
         if units is not None:
             data["model"]["units"] = {"count": len(units), "largest_numel": max(units, default=0)}
-        estimate = estimate_for_config(config, plan, counts, unit_numels=units)
+        from zeroshard.moe.report import moe_report
+
+        data["moe"], expert_counts = moe_report(model, world_size, assign_param_groups(plan, model))
+        for by_group in expert_counts.values():  # experts are estimated over their own groups
+            for group, numel in by_group.items():
+                counts[group] -= numel
+        estimate = estimate_for_config(config, plan, counts, unit_numels=units, expert_counts=expert_counts)
         if config.optimizer is not None and config.optimizer.type.lower() == "muon":
             from zeroshard.optim.muon import muon_param_plan
 
@@ -261,6 +268,15 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
                 kind = "Muon" if name in model["muon"]["muon"] else "AdamW"
                 muon_table.add_row(name, kind, reason)
             console.print(muon_table)
+    moe = data.get("moe")
+    if moe:
+        console.print(f"dense parameters: sharded over ranks {moe['dense_sharded_over']}")
+        for g in moe["expert_groups"]:
+            console.print(
+                f"experts, ep_size {g['ep_size']} ({g['layers']} layer(s), {g['local_experts_per_layer']} of "
+                f"{g['experts_per_layer']} experts per rank): tokens exchanged within {g['expert_parallel_groups']}, "
+                f"expert parameters sharded over {g['expert_data_parallel_groups']}"
+            )
 
     memory = data["memory"]
     estimate = memory["estimate"]

@@ -128,6 +128,11 @@ class ParallelLayout:
             shard, replicate = partition(world, size)
         return cls(world, ShardingSpec(shard, replicate, world))
 
+    def expert(self, edp: Group) -> ShardingSpec:
+        """The spec of an expert flat whose experts are held by the expert-data-parallel group
+        `edp` (zeroshard/utils/groups.py builds it): sharded over it, replicated nowhere."""
+        return ShardingSpec(edp, comm.self_group(self.world), edp, self.dense.placement)
+
     def describe(self) -> str:
         d = self.dense
         return (

@@ -184,6 +184,7 @@ def estimate_memory(
     prefetch_bucket_size: int = 50_000_000,
     unit_numels: list[int] | None = None,
     persistence_threshold: int = 100_000,
+    expert_counts: Mapping[int, Mapping[str, int]] | None = None,
 ) -> MemoryEstimate:
     """Estimate per-rank bytes for ``stage`` on ``world_size`` ranks.
 
@@ -200,6 +201,9 @@ def estimate_memory(
         unit_numels: element counts of the units (DESIGN section 3); None = one unit holding
             everything (an upper bound).
         persistence_threshold: stage-3 units smaller than this stay gathered.
+        expert_counts: MoE expert parameters held on a rank (its local experts), by the
+            expert-data-parallel size they are sharded over, then by precision group; not
+            included in ``param_counts`` (DESIGN section 9: experts are sharded over EDP).
     """
     policy = stage_policy(stage)  # ValueError naming the stage for anything but 0-3
     if world_size < 1:
@@ -210,7 +214,14 @@ def estimate_memory(
         raise ValueError(
             f"param_counts names groups {sorted(unknown)} that the plan does not have ({list(plan.groups)})"
         )
-    total = sum(counts.values())
+    # (precision group, elements on this rank unsharded, ranks they are sharded over)
+    holdings = [(name, numel, world_size) for name, numel in counts.items()]
+    for edp_size, by_group in (expert_counts or {}).items():
+        unknown |= set(by_group) - set(plan.groups)
+        holdings += [(name, numel, edp_size) for name, numel in by_group.items()]
+    if unknown:
+        raise ValueError(f"expert_counts names groups {sorted(unknown)} that the plan does not have")
+    total = sum(numel for _, numel, _ in holdings)
     units = list(unit_numels) if unit_numels else [total]
     largest_unit = max(units) if units else 0
     assumptions = []
@@ -219,9 +230,9 @@ def estimate_memory(
 
     model_states = dict.fromkeys(MODEL_STATE_KEYS, 0)
     per_group: dict[str, dict[str, int]] = {}
-    for name, numel in counts.items():
+    for name, numel, shard_size in holdings:
         role = plan.groups[name]
-        shard = padded_shard_numel(numel, world_size)
+        shard = padded_shard_numel(numel, shard_size)
         kept = {  # elements of each role held on this rank
             "params": numel if policy.keep_full_params else shard,
             "gradients": shard if policy.reduce_every_backward else numel,
@@ -236,10 +247,11 @@ def estimate_memory(
         }
         for key, value in group_bytes.items():
             model_states[key] += value
-        per_group[name] = {"num_params": numel, "padded_num_params": shard * world_size, **group_bytes}
+        label = name if shard_size == world_size and name not in per_group else f"{name} (experts, EDP {shard_size})"
+        per_group[label] = {"num_params": numel, "padded_num_params": shard * shard_size, **group_bytes}
 
     # Buffers take the widest dtype of any group present: they are bounds, not exact figures.
-    roles = [plan.groups[name] for name, n in counts.items() if n > 0] or [next(iter(plan.groups.values()))]
+    roles = [plan.groups[name] for name, n, _ in holdings if n > 0] or [next(iter(plan.groups.values()))]
     accum_size = max(_size(r.grad_accum_dtype) for r in roles)
     reduce_size = max(_size(r.reduce_dtype) for r in roles)
     gather_size = max(_size(r.gather_dtype) for r in roles)
@@ -273,6 +285,7 @@ def estimate_for_config(
     *,
     world_size: int | None = None,
     unit_numels: list[int] | None = None,
+    expert_counts: Mapping[int, Mapping[str, int]] | None = None,
 ) -> MemoryEstimate:
     """``estimate_memory`` with the stage, bucket sizes and optimizer taken from ``config``."""
     zero = config.zero_optimization
@@ -289,6 +302,7 @@ def estimate_for_config(
         prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
         unit_numels=unit_numels,
         persistence_threshold=zero.stage3_param_persistence_threshold,
+        expert_counts=expert_counts,
     )
     if optimizer is None:
         estimate.assumptions.append("no optimizer in the config: counted as AdamW (2 states)")

@@ -1,5 +1,7 @@
-"""DeepSpeed's `deepspeed.utils` import path: the tensor-fragment helpers and leaf modules."""
+"""DeepSpeed's `deepspeed.utils` import path: `from zeroshard.utils import groups`, the
+tensor-fragment helpers (`safe_get_full_grad`, ...) and the stage-3 leaf modules."""
 
+from . import groups
 from .tensor_fragment import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -25,6 +27,7 @@ from .z3_leaf_module import (
 
 # (`z3_leaf_module` is the function here, as in DeepSpeed, not the submodule of that name.)
 __all__ = [
+    "groups",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
