@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import comm
+from .arguments import add_config_arguments
+from .config_error import DeepSpeedConfigError
 from .distributed import init_distributed
 
 __version__ = "0.1.0"
@@ -16,6 +18,8 @@ __version__ = "0.1.0"
 __all__ = [
     "initialize",
     "init_distributed",
+    "add_config_arguments",
+    "DeepSpeedConfigError",
     "comm",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
@@ -44,7 +48,7 @@ def initialize(
         (engine, optimizer, training_dataloader, lr_scheduler); the dataloader is None
         without `training_data`, the scheduler None when neither given nor configured.
     """
-    from .config import ConfigError
+    from .config_error import DeepSpeedConfigError
     from .engine import Engine
     from .layout import ParallelLayout
     from .resolve import resolve_config
@@ -61,7 +65,7 @@ def initialize(
     if raw is None and args is not None:
         raw = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if raw is None:
-        raise ConfigError(
+        raise DeepSpeedConfigError(
             "no config: pass config= (a dict or a JSON file path) or args with --deepspeed_config."
         )
     if dist_init_required is not False:

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
-from .config_error import ConfigError
+from .config_error import ConfigError, DeepSpeedConfigError, raises_deepspeed_error
 from .config_file import check_depth, read_config_file
 from .config_sections import (
     DEFAULT_LOWER_PRECISION_SAFE_MODULES,
@@ -65,6 +65,7 @@ __all__ = [
     "BF16Config",
     "CheckpointConfig",
     "ConfigError",
+    "DeepSpeedConfigError",
     "DEFAULT_LOWER_PRECISION_SAFE_MODULES",
     "DataTypesConfig",
     "FP16Config",
@@ -108,6 +109,8 @@ class ZeroshardConfig(_Section):
     train_batch_size: JsonInt | None = Field(None, ge=1)
     train_micro_batch_size_per_gpu: JsonInt | None = Field(None, ge=1)
     gradient_accumulation_steps: JsonInt | None = Field(None, ge=1)
+    # False: every engine.step() is the accumulation boundary (DeepSpeed 0.19's unmanaged mode).
+    managed_gradient_accumulation: bool = True
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     gradient_clipping: float = Field(1.0, ge=0)
@@ -142,6 +145,7 @@ class ZeroshardConfig(_Section):
     timers: dict[str, Any] | None = None
     seq_parallel_communication_data_type: str | None = None
     use_data_before_expert_parallelism: bool = False
+    log_level: str | None = None
 
     @field_validator("communication_data_type")
     @classmethod
@@ -153,7 +157,7 @@ class ZeroshardConfig(_Section):
             "wall_clock_breakdown", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer", "vocabulary_size", "flops_profiler", "tensorboard", "wandb",
             "csv_monitor", "comet", "comms_logger", "aio", "timers",
-            "seq_parallel_communication_data_type", "use_data_before_expert_parallelism",
+            "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "log_level",
         }
     )
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
@@ -186,9 +190,16 @@ class ZeroshardConfig(_Section):
             _equals(False), "Gradients are averaged after the reduction; remove it."
         ),
         "gradient_predivide_factor": _Unsupported(_equals(1.0), "Remove it (the factor is always 1)."),
+        "gradient_allreduce_op": _Unsupported(
+            _equals("mean"), "Gradients are always averaged over the ranks (\"mean\"); remove it."
+        ),
         "disable_allgather": _Unsupported(_equals(False), "Remove it."),
         "graph_harvesting": _Unsupported(_equals(False), "Remove it."),
         "zero_optimization_stage": _Unsupported(lambda v: False, "Use zero_optimization.stage."),
+        "expert_parallel": _Unsupported(
+            _disabled_section, "AutoEP is not implemented; build the model with MoE layers instead."
+        ),
+        "datastates_ckpt": _Unsupported(_disabled_section, "Remove it (checkpoints are written by zeroshard)."),
     }
 
     _defaults_applied: list[str] = PrivateAttr(default_factory=list)
@@ -580,6 +591,7 @@ def _data_parallel_size(
     return dp
 
 
+@raises_deepspeed_error
 def load_config(raw: dict | str | os.PathLike, world_size: int = 1) -> ZeroshardConfig:
     """Check every key of a DeepSpeed-style config and resolve it for ``world_size`` ranks.
 

@@ -364,13 +364,16 @@ class TorchAutocastConfig(_Section):
 
 
 class DataTypesConfig(_Section):
-    """``data_types``: ``grad_accum_dtype`` (None lets the precision plan choose, fp32) and
-    ``buffer_dtype`` (None: floating buffers keep their own dtype in every mode)."""
+    """``data_types``: ``grad_accum_dtype`` (None lets the precision plan choose, fp32),
+    ``buffer_dtype`` (None: floating buffers keep their own dtype in every mode) and
+    ``param_dtype`` (None, or the dtype the enabled mode gives parameters: fp16, bf16, else fp32)."""
 
     grad_accum_dtype: str | None = None
     buffer_dtype: str | None = None
+    # DeepSpeed 0.19: a restatement of the mode's parameter dtype, checked by resolve_config.
+    param_dtype: str | None = None
 
-    @field_validator("grad_accum_dtype", "buffer_dtype")
+    @field_validator("grad_accum_dtype", "buffer_dtype", "param_dtype")
     @classmethod
     def _check_dtype(cls, value: str | None) -> str | None:
         return _validate_dtype_name(value)
@@ -454,6 +457,24 @@ class OffloadParamConfig(_Section):
 
 
 
+# DeepSpeed 0.19's default leaf classes: Hugging Face MoE blocks whose experts run data-dependently.
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+class LeafModuleConfig(_Section):
+    """``zero_optimization.leaf_module``: modules marked as stage-3 leaves at initialize
+    (zeroshard/utils/z3_leaf_module.py): by class (bare or dotted name), by module name as
+    ``named_modules`` gives it, or by the end of that name."""
+
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+
 class ZeroConfig(_Section):
     """``zero_optimization``: the ZeRO stage and bucket sizes (element counts).
 
@@ -499,7 +520,9 @@ class ZeroConfig(_Section):
     offload_param: OffloadParamConfig | None = None
     cpu_offload: bool | None = None
     cpu_offload_param: bool | None = None
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
+    UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"leaf_module"})
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
         {
             "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
@@ -539,7 +562,6 @@ class ZeroConfig(_Section):
         "mics_hierarchical_params_gather": _Unsupported(_equals(False), "MiCS is not implemented."),
         "zenflow": _Unsupported(_empty, "ZenFlow is not implemented; remove it."),
         "legacy_stage1": _Unsupported(_equals(False), "Remove it."),
-        "leaf_module": _Unsupported(_empty, "Use zeroshard.unit_module_classes to choose units."),
     }
 
     @property

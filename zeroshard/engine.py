@@ -23,9 +23,11 @@ from . import comm
 from .autocast import forward_context
 from .config import ZeroshardConfig
 from .device import select_device
+from .engine_api import EngineAPI
 from .flat import FlatParamGroup
 from .grad_path import GradientPath
 from .grad_reduce import GradientReducer, default_bucket_numel
+from .grad_views import GradViews
 from .layout import ParallelLayout
 from .loss_scale import make_loss_scaler
 from .moe.utils import attach_expert_groups, is_moe_param, split_params_into_different_moe_groups_for_optimizer
@@ -39,6 +41,7 @@ from .step import OptimizerStep, StepResult
 from .unit import Unit
 from .units import plan_units
 from .utils import groups
+from .utils.z3_leaf_module import apply_leaf_module_config
 
 logger = logging.getLogger("zeroshard")
 
@@ -75,7 +78,7 @@ def _optimizer_groups(
     return hyper, group_of
 
 
-class Engine:
+class Engine(EngineAPI):
     """A model wrapped for ZeRO data-parallel training (DeepSpeed's engine surface)."""
 
     def __init__(
@@ -108,6 +111,11 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.global_samples = 0
+        self._step_applied = False
+        self._in_step = False  # the boundary, with managed_gradient_accumulation false
+        self._backwards_at_last_step = 0
+        self._backward_prescaled = False
         self._boundary_override: bool | None = None
         self._stepped_after_backward = -1  # backward_count at the last step() call
         # The last step's norms as device scalars: read (a host sync) only when asked for.
@@ -131,6 +139,7 @@ class Engine:
             params_cfg = config.optimizer.params if optimizer is None else None
             hyper, group_of = muon.split_param_groups(model, hyper, group_of, params_cfg)
         self._cast_module(model)
+        apply_leaf_module_config(model, config.zero_optimization.leaf_module)
         self.units = self._build_units(model, group_of)
         self.flats = [f for unit in self.units for f in unit.flats]
         # The trainable parameters are views of the flats, already on the device; this moves
@@ -163,9 +172,11 @@ class Engine:
         )
         self._grads = GradientPath(
             self.module, self.units, self.policy, reducer,
-            loss_scale=lambda: self.loss_scaler.scale,
+            # A backward of a loss from `engine.scale` is scaled already (engine_api.py).
+            loss_scale=lambda: 1.0 if self._backward_prescaled else self.loss_scaler.scale,
             is_boundary=self.is_gradient_accumulation_boundary,
         )
+        self._grads.views = GradViews(self.flats, self.policy, lambda: self.loss_scaler.scale)
         if not self.policy.keep_full_params:
             self._grads.params = ParamSchedule(
                 self.units, zero.stage3_prefetch_bucket_size, lambda: self._grads.in_backward,
@@ -308,54 +319,89 @@ class Engine:
     __call__ = forward
 
     # --------------------------------------------------------------- backward
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, **kwargs: Any) -> torch.Tensor:
-        """`loss.backward()` with the engine's loss scaling; the same as calling it yourself."""
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True, **kwargs: Any
+    ) -> torch.Tensor:
+        """`loss.backward()` with the engine's loss scaling; the same as calling it yourself.
+
+        Every backward's gradient is divided by `gradient_accumulation_steps` (in the
+        reduction); `scale_wrt_gas=False` leaves this one's undivided, as DeepSpeed's argument
+        does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
+        """
+        accumulation = self.config.gradient_accumulation_steps
         before = self._grads.backward_count
-        loss.backward(retain_graph=retain_graph, **kwargs)
+        (loss if scale_wrt_gas or accumulation == 1 else loss * accumulation).backward(
+            retain_graph=retain_graph, **kwargs
+        )
         if self._grads.backward_count == before:
             # Nothing in the model took part (no hook fired): still run the epilogue, so this
             # rank issues the same collectives as ranks whose loss did reach the model.
             self._grads.run_epilogue()
-        return loss
+        return loss / accumulation if scale_wrt_gas else loss
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward calls inside keep their gradients local (no communication)."""
         return self._grads.no_sync()
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if not self.config.managed_gradient_accumulation:
+            return self._in_step  # unmanaged: step() is the boundary
+        if self._coalesced:
+            return True  # the step after a coalesce_grad_reduction block
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        if not self.config.managed_gradient_accumulation:
+            raise RuntimeError(
+                "set_gradient_accumulation_boundary(): with managed_gradient_accumulation false, every "
+                "engine.step() is the boundary. Call step() when the accumulation ends, or set "
+                "managed_gradient_accumulation to true."
+            )
         self._boundary_override = bool(is_boundary)
 
     # ------------------------------------------------------------------- step
     def step(self) -> None:
-        """The optimizer step, at the accumulation boundary only.
+        """The optimizer step, at the accumulation boundary only (with
+        managed_gradient_accumulation false, every step() is the boundary).
 
         A second call for the same step (no backward since the last `step()`) changes
         nothing: no optimizer step, no counter moves, so Adam's bias correction is what one
         call gives. Every rank counts the same backwards (a rank whose loss missed the model
         still runs the backward epilogue in `engine.backward`), so they agree on it.
         """
+        if not self._grads.sync_enabled:
+            block = "coalesce_grad_reduction()" if self._in_coalesce else "no_sync()"
+            raise RuntimeError(f"engine.step() inside {block}: leave the with-block first.")
+        self._step_applied = False
         if self._grads.backward_count == self._stepped_after_backward:
             return
         self._stepped_after_backward = self._grads.backward_count
-        if self.is_gradient_accumulation_boundary():
-            if self.optimizer is None:
-                raise RuntimeError(
-                    "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
-                )
-            self._grads.flush()
-            result = self._step.run()
-            self._global_grad_norm = result.norm_tensor
-            self._post_clip_grad_norm = result.post_clip_tensor
-            if result.overflow:
-                self.skipped_steps += 1
-                logger.info("step %d: non-finite gradient, step skipped (scale %s)", self.global_steps, result.scale)
-            self._log_step(result)
-            self.global_steps += 1
+        self._in_step = True
+        try:
+            if self.is_gradient_accumulation_boundary():
+                if self.optimizer is None:
+                    raise RuntimeError(
+                        "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
+                    )
+                self._grads.flush()
+                result = self._step.run()  # applies .grad changed in place through the views
+                self._grads.views.clear()
+                self._global_grad_norm = result.norm_tensor
+                self._post_clip_grad_norm = result.post_clip_tensor
+                if result.overflow:
+                    self.skipped_steps += 1
+                    logger.info(
+                        "step %d: non-finite gradient, step skipped (scale %s)", self.global_steps, result.scale
+                    )
+                self._step_applied = not result.overflow
+                self._log_step(result)
+                self.global_steps += 1
+                self._count_samples()
+        finally:
+            self._in_step = False
+            self._coalesced = False
         self.micro_steps += 1
 
     def _log_step(self, result: StepResult) -> None:

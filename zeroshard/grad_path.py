@@ -50,6 +50,7 @@ from .grad_reduce import GradientReducer
 from .stages import StagePolicy
 
 if TYPE_CHECKING:
+    from .grad_views import GradViews
     from .param_schedule import ParamSchedule
     from .unit import Unit
 
@@ -106,6 +107,7 @@ class GradientPath:
         self._loss_scale = loss_scale
         self._is_boundary = is_boundary
         self.params: ParamSchedule | None = None  # stage 3's schedule, attached by the engine
+        self.views: GradViews | None = None  # stage 0's param.grad views, attached by the engine
         self.sync_enabled = True  # False inside no_sync()
         self.forward_depth = 0  # > 0 while the root module's forward runs
         self.in_backward = False
@@ -129,6 +131,8 @@ class GradientPath:
 
     # ------------------------------------------------------------ forward side
     def _root_pre(self, module, args) -> None:
+        if self.views is not None:
+            self.views.clear()  # no later backward may accumulate into the reduced buffer
         self.forward_depth += 1
         if self.params is not None:
             self.params.root_pre_forward(outermost=self.forward_depth == 1)
@@ -232,6 +236,8 @@ class GradientPath:
                 self._queue(unit)
             self.reducer.finish()
             self.needs_flush = False
+            if self.views is not None:
+                self.views.expose()
         else:
             self.needs_flush = True
         if self.params is not None:
@@ -246,6 +252,8 @@ class GradientPath:
             self._queue(unit)
         self.reducer.finish()
         self.needs_flush = False
+        if self.views is not None:
+            self.views.expose()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -259,6 +267,8 @@ class GradientPath:
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (local and reduced)."""
+        if self.views is not None:
+            self.views.clear()
         for unit in self.units:
             for flat in unit.flats:
                 flat.drop_grads()

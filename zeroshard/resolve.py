@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import warnings
 
-from .config import PRECISION_KEYS, ConfigError, ZeroshardConfig, check_config
+from .config import PRECISION_KEYS, ConfigError, ZeroshardConfig, canonical_dtype_name, check_config
+from .config_error import raises_deepspeed_error
 from .config_offload import offload_stage_problems
 from .optim.build import state_dtype_problem
 from .optim.muon import muon_param_problems
@@ -23,6 +24,7 @@ from .precision import resolve_precision_plan
 __all__ = ["resolve_config"]
 
 
+@raises_deepspeed_error
 def resolve_config(
     raw: dict | str | os.PathLike, world_size: int = 1, sequence_parallel_size: int | None = None
 ) -> ZeroshardConfig:
@@ -39,11 +41,14 @@ def resolve_config(
         The frozen config, with ``precision_plan`` and ``stage_policy`` resolved.
 
     Raises:
-        ConfigError: listing every problem, each as ``<key>=<value>: <rule>. <fix>``.
+        DeepSpeedConfigError (a ConfigError): listing every problem, each as
+            ``<key>=<value>: <rule>. <fix>``.
     """
     cfg, problems, tainted = check_config(raw, world_size, sequence_parallel_size)
     if cfg is None:
         raise ConfigError(problems)
+    if "data_types" not in tainted and (problem := _param_dtype_problem(cfg)):
+        problems.append(problem)
     plan = None
     if not tainted & PRECISION_KEYS:
         try:
@@ -68,6 +73,20 @@ def resolve_config(
         warnings.warn("zeroshard: lossy precision choices in the config:\n  " + "\n  ".join(new), stacklevel=2)
     cfg._precision_plan = plan
     return cfg
+
+
+def _param_dtype_problem(cfg: ZeroshardConfig) -> str | None:
+    """DeepSpeed's rule: ``data_types.param_dtype``, when given, names the enabled mode's dtype."""
+    written = cfg.data_types.param_dtype
+    if written is None:
+        return None
+    mode_dtype = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    if canonical_dtype_name(written) == mode_dtype:
+        return None
+    return (
+        f'data_types.param_dtype="{written}": must match the enabled precision mode, whose parameters are '
+        f"{mode_dtype}. Enable the matching fp16/bf16 section, or remove data_types.param_dtype."
+    )
 
 
 _warned_lossy: set[str] = set()  # each lossy choice is warned about once per process

@@ -5,7 +5,9 @@ and parameters are gathered and freed (stage 3). By default each element of the 
 largest repeated block list (an `nn.ModuleList` / `nn.Sequential` of modules of one
 class, e.g. the transformer blocks) is a unit and everything else forms the root unit.
 `zeroshard.unit_module_classes` picks the unit modules by class name instead, and units
-smaller than `zeroshard.unit_min_params` merge into the root unit.
+smaller than `zeroshard.unit_min_params` merge into the root unit. A stage-3 leaf module
+(`zeroshard.utils.set_z3_leaf_modules`) is never split: no unit lies strictly inside one, and
+a leaf that no unit holds becomes a unit of its own, so it is gathered as one.
 """
 
 from __future__ import annotations
@@ -32,11 +34,27 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _largest_repeated_block_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of the container of same-class modules holding the most parameters."""
+def _inside(name: str, outer: list[str]) -> bool:
+    return any(name.startswith(o + ".") for o in outer)
+
+
+def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules marked as stage-3 leaves (the root itself never counts)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if name and getattr(module, "_z3_leaf", False) and not _inside(name, [n for n, _ in found]):
+            found.append((name, module))
+    return found
+
+
+def _largest_repeated_block_list(model: nn.Module, leaves: list[str]) -> list[tuple[str, nn.Module]]:
+    """The children of the container of same-class modules holding the most parameters
+    (containers inside a leaf module do not count)."""
     best: list[tuple[str, nn.Module]] = []
     best_numel = 0
     for name, module in model.named_modules():
+        if _inside(name, leaves) or (name in leaves):
+            continue
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.named_children())
@@ -86,10 +104,18 @@ def plan_units(
         The units that own at least one trainable parameter; the root unit is always
         present (possibly empty) as element 0.
     """
+    leaves = _leaf_modules(model)
+    leaf_names = [n for n, _ in leaves]
     if unit_module_classes:
         candidates = _modules_of_classes(model, set(unit_module_classes))
     else:
-        candidates = _largest_repeated_block_list(model)
+        candidates = _largest_repeated_block_list(model, leaf_names)
+    candidates = [(n, m) for n, m in candidates if not _inside(n, leaf_names)]
+    held = [n for n, _ in candidates]
+    extra = [(n, m) for n, m in leaves if n not in held and not _inside(n, held)]
+    if extra:  # leaves no unit holds become units, in model order
+        order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+        candidates = sorted(candidates + extra, key=lambda item: order[item[0]])
     candidates = [
         (name, m) for name, m in candidates if _numel(m) >= max(unit_min_params, 1)
     ]

@@ -1,4 +1,5 @@
-"""`zeroshard.zero.GatheredParameters`: read or change full parameters at any stage.
+"""`zeroshard.zero.GatheredParameters`: read or change full parameters at any stage
+(`zeroshard.zero.Init`, DeepSpeed's construction context, is in zero_init.py).
 
 At stage 3 a unit's parameters exist only around its forward and backward; inside this
 context they are gathered. With `modifier_rank=r`, changes rank r makes to the full
@@ -16,6 +17,7 @@ from torch import nn
 
 from . import comm
 from .full_tensors import _locate
+from .zero_init import Init  # noqa: F401  (DeepSpeed's zero.Init)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import zeroshard
 from tests.dist.test_checkpoint_helpers import (
+    GLOBAL_BATCH,
     TinyLM,
     assert_snapshots_equal,
     assert_tensors_equal,
@@ -54,7 +55,10 @@ def test_index_describes_every_parameter(saved) -> None:
         assert entry["master_dtype"] == "float32" and entry["param_dtype"] == "bfloat16"
         assert set(entry["optimizer_state"]) == {"exp_avg", "exp_avg_sq"}
         assert entry["optimizer_scalars"] == {"step": "tensor"}
-    assert index["counters"] == {"global_steps": 2, "micro_steps": 4, "skipped_steps": 0}
+    # global_samples: 2 steps of one train batch (GLOBAL_BATCH rows x 2 micro-steps) each.
+    train_batch = GLOBAL_BATCH * 2
+    assert index["counters"] == {"global_steps": 2, "micro_steps": 4, "skipped_steps": 0,
+                                 "global_samples": 2 * train_batch}
     assert index["config"]["zero_optimization"]["stage"] == 3
     assert index["precision_plan"]["mode"] == "bf16"
     # client_state with a tuple and a tensor is not plain JSON: it went to the pickle file.

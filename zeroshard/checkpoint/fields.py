@@ -37,6 +37,11 @@ def parse_counters(index: dict[str, Any], path: Path) -> dict[str, int]:
         if not is_int(value) or value < 0:
             raise field_error(path, f"counters.{key}", value, "must be a non-negative integer")
         out[key] = value
+    samples = counters.get("global_samples")  # absent in checkpoints written before it was kept
+    if samples is not None:
+        if not is_int(samples) or samples < 0:
+            raise field_error(path, "counters.global_samples", samples, "must be a non-negative integer")
+        out["global_samples"] = samples
     return out
 
 

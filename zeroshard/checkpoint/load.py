@@ -406,6 +406,10 @@ def apply_to_engine(engine: Any, loaded: _Loaded, options: LoadOptions) -> None:
         engine.global_steps = loaded.counters["global_steps"]
         engine.micro_steps = loaded.counters["micro_steps"]
         engine.skipped_steps = loaded.counters["skipped_steps"]
+        # DeepSpeed's fallback for a checkpoint without it: a train batch per step.
+        engine.global_samples = loaded.counters.get(
+            "global_samples", engine.global_steps * engine.config.train_batch_size
+        )
     sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
     if loaded.data_sampler is not None and "epoch" in loaded.data_sampler and hasattr(sampler, "set_epoch"):
         sampler.set_epoch(loaded.data_sampler["epoch"])

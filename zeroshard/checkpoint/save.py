@@ -336,6 +336,7 @@ def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[st
             "global_steps": engine.global_steps,
             "micro_steps": engine.micro_steps,
             "skipped_steps": engine.skipped_steps,
+            "global_samples": engine.global_samples,
         },
         "optimizer": None
         if optimizer is None

@@ -1,1 +1,1 @@
-"""DeepSpeed's `deepspeed.runtime` import paths that users' scripts name (sequence parallelism)."""
+"""DeepSpeed's `deepspeed.runtime` import paths that users' scripts name."""

@@ -1,0 +1,152 @@
+"""Rank-side scenarios for tests/dist/test_tensor_fragment.py: zeroshard.utils' getters and
+setters on a small model with a frozen layer, in the loop a DeepSpeed user writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroshard
+from tests.dist.scenarios.common import PRECISION_SECTIONS, full_module_params
+from zeroshard.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
+
+LR, MOMENTUM = 0.1, 0.9
+
+
+class Net(nn.Module):
+    """Three blocks (units at stages 2-3), a head, and a frozen input projection."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.frozen(x)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x).float().pow(2).mean()
+
+
+def build(stage: int, mode: str):
+    torch.manual_seed(0)
+    model = Net()
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **PRECISION_SECTIONS[mode],
+    }
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _values(engine, seed: int) -> dict[str, torch.Tensor]:
+    """A fresh fp32 value per trainable parameter, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=gen) for n, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def _backward(engine, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    engine.backward(engine(torch.randn(2, 6, generator=gen)))
+
+
+def scenario(stage: int, mode: str) -> dict[str, Any]:
+    engine = build(stage, mode)
+    params = dict(engine.module.named_parameters())
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    out: dict[str, Any] = {}
+
+    # Frozen: the getters answer None, the setters refuse.
+    frozen = params["frozen.weight"]
+    out["frozen_getters"] = [safe_get_full_fp32_param(frozen), safe_get_full_grad(frozen),
+                             safe_get_full_optimizer_state(frozen, "momentum_buffer"),
+                             safe_get_local_fp32_param(frozen), safe_get_local_grad(frozen)]
+    try:
+        safe_set_full_fp32_param(frozen, torch.zeros(frozen.shape))
+        out["frozen_setter"] = "accepted"
+    except ValueError as exc:
+        out["frozen_setter"] = str(exc)
+
+    # Masters: set, read back, and the module computes with them.
+    weights = _values(engine, 1)
+    for n, p in trainable.items():
+        safe_set_full_fp32_param(p, weights[n])
+    out["weights"] = weights
+    out["weights_read"] = {n: safe_get_full_fp32_param(p) for n, p in trainable.items()}
+    out["module_after_set"] = {n: t for n, t in full_module_params(engine).items() if n in trainable}
+
+    # Gradients: set after the boundary backward, read back; the step applies exactly them.
+    _backward(engine, 10)
+    grads = _values(engine, 2)
+    for n, p in trainable.items():
+        safe_set_full_grad(p, grads[n])
+    out["grads"] = grads
+    out["grads_read"] = {n: safe_get_full_grad(p) for n, p in trainable.items()}
+    safe_update_full_grad_vectorized(list(params.values()), lambda g, p: g * 2)
+    out["grads_doubled"] = {n: safe_get_full_grad(p) for n, p in trainable.items()}
+    engine.step()
+    out["after_step1"] = {n: safe_get_full_fp32_param(p) for n, p in trainable.items()}
+    out["momentum1"] = {n: safe_get_full_optimizer_state(p, "momentum_buffer") for n, p in trainable.items()}
+
+    # Optimizer state: set, read back; the next step uses it.
+    buffers = _values(engine, 3)
+    for n, p in trainable.items():
+        safe_set_full_optimizer_state(p, buffers[n], "momentum_buffer")
+    out["buffers"] = buffers
+    out["buffers_read"] = {n: safe_get_full_optimizer_state(p, "momentum_buffer") for n, p in trainable.items()}
+    _backward(engine, 20)
+    grads2 = _values(engine, 4)
+    for n, p in trainable.items():
+        safe_set_full_grad(p, grads2[n])
+    out["grads2"] = grads2
+    engine.step()
+    out["after_step2"] = {n: safe_get_full_fp32_param(p) for n, p in trainable.items()}
+
+    # Local parts: every rank's parts make the whole; a local set is read back by the full getter.
+    _backward(engine, 30)
+    local = {}
+    for n, p in trainable.items():
+        parts = [safe_get_local_fp32_param(p), safe_get_local_grad(p),
+                 safe_get_local_optimizer_state(p, "momentum_buffer")]
+        local[n] = parts
+        safe_set_local_fp32_param(p, parts[0] + 1.0)
+        safe_set_local_grad(p, parts[1] * 3.0)
+        safe_set_local_optimizer_state(p, parts[2] - 1.0, "momentum_buffer")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    out["local_parts"] = gathered
+    out["after_local_set"] = {
+        n: (safe_get_full_fp32_param(p), safe_get_full_grad(p), safe_get_full_optimizer_state(p, "momentum_buffer"))
+        for n, p in trainable.items()
+    }
+    out["before_local_set"] = {
+        n: (out["after_step2"][n], None, None) for n in trainable
+    }
+    return out
+
+
+def run_all_scenarios(cases: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    return [scenario(stage, mode) for stage, mode in cases]
