@@ -90,11 +90,17 @@ class ZeroshardExtras(_Section):
         unit_min_params: units smaller than this merge into the root unit.
         shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks
             and replicate across them (zeroshard/layout.py); None = shard over every rank.
+        skip_nonfinite_steps: skip an optimizer step whose global gradient norm is not finite
+            (parameters, optimizer state and scheduler untouched, counted in skipped_steps) in
+            fp32 and torch_autocast modes; false keeps DeepSpeed's behaviour there (the step
+            runs and the weights become NaN). bf16 mode reads bf16.check_grad_overflow too;
+            fp16 always checks (its loss scale needs it).
     """
 
     unit_module_classes: list[str] | None = None
     unit_min_params: JsonInt = Field(0, ge=0)
     shard_group_size: JsonInt | None = Field(None, ge=1)
+    skip_nonfinite_steps: bool = True
 
 
 class ZeroshardConfig(_Section):

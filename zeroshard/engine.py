@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 from typing import Any
 
@@ -293,15 +294,30 @@ class Engine:
                     "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
                 )
             self._grads.flush()
-            result = self._step.run()
+            result = self._step.run(self._grads.reducer.take_local_sum())
             self._global_grad_norm = result.norm
             self._post_clip_grad_norm = result.post_clip_norm
             if result.overflow:
                 self.skipped_steps += 1
-                logger.info("step %d: non-finite gradient, step skipped (scale %s)", self.global_steps, result.scale)
+            if not math.isfinite(result.norm):
+                self._log_nonfinite(result)
             self._log_step(result)
             self.global_steps += 1
         self.micro_steps += 1
+
+    def _log_nonfinite(self, result: StepResult) -> None:
+        ranks = ", ".join(map(str, result.nonfinite_ranks)) or "none (finite gradients whose squares overflowed)"
+        if result.overflow:
+            what = f"step skipped (skipped_steps {self.skipped_steps})"
+        else:
+            what = f"step taken anyway: {self.precision_plan.overflow_keys} is false"
+        # fp16's dynamic loss scale overflows by design while it searches: not a warning there.
+        searching = self.precision_plan.loss_scale.kind in ("dynamic", "grad_scaler")
+        level = logging.INFO if searching else logging.WARNING
+        logger.log(
+            level, "step %d: non-finite gradient norm %s from rank(s) %s; %s (loss scale %s)",
+            self.global_steps, result.norm, ranks, what, result.scale,
+        )
 
     def _log_step(self, result: StepResult) -> None:
         steps_per_print = self.config.steps_per_print

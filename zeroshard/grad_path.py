@@ -258,3 +258,4 @@ class GradientPath:
                 flat.drop_grads()
             unit.has_local_grad = False
         self.needs_flush = False
+        self.reducer.take_local_sum()  # dropped gradients name no rank

@@ -31,12 +31,14 @@ from .publish import publish_masters
 @dataclass(frozen=True)
 class StepResult:
     """What one step did: the pre-clip norm, the norm after clipping, whether it was skipped
-    (non-finite gradient) and the loss scale it ran with."""
+    (non-finite gradient), the loss scale it ran with, and the ranks whose own (unreduced)
+    gradient was not finite."""
 
     norm: float
     post_clip_norm: float
     overflow: bool
     scale: float
+    nonfinite_ranks: tuple[int, ...] = ()
 
 
 def resolve_placement(flats: list[FlatParamGroup]) -> str:
@@ -81,9 +83,13 @@ class OptimizerStep:
         self.optimizer: Any = None
         self.lr_scheduler: Any = None
 
-    def run(self) -> StepResult:
-        """One step on the reduced gradients; skipped (parameters and optimizer state
-        untouched) if the global norm is not finite and the plan checks overflow."""
+    def run(self, local_grad_sum: torch.Tensor | None = None) -> StepResult:
+        """One step on the reduced gradients; skipped (parameters, optimizer state and
+        scheduler untouched) if the global norm is not finite and the plan checks overflow.
+
+        `local_grad_sum` is the sum of this rank's own gradients before reduction (the
+        reducer's `take_local_sum`): whether it is finite travels with the norm, so the
+        result names the rank(s) a non-finite gradient came from."""
         scale = self.loss_scaler.scale
         for flat in self.flats:
             grad = flat.reduced_grad_buffer()
@@ -93,7 +99,7 @@ class OptimizerStep:
                 grad.mul_(1.0 / scale)
             flat.master.grad = grad
 
-        norm = self.global_norm()
+        norm, nonfinite_ranks = self.global_norm(local_grad_sum)
         overflow = self.check_overflow and not math.isfinite(norm)
         if overflow:
             post_clip = norm
@@ -111,10 +117,17 @@ class OptimizerStep:
         for flat in self.flats:
             flat.master.grad = None
             flat.clear_reduced()
-        return StepResult(norm, post_clip, overflow, scale)
+        return StepResult(norm, post_clip, overflow, scale, nonfinite_ranks)
 
-    def global_norm(self) -> float:
-        """L2 norm of the whole reduced, unscaled gradient, summed shard by shard.
+    def global_norm(self, local_grad_sum: torch.Tensor | None = None) -> tuple[float, tuple[int, ...]]:
+        """L2 norm of the whole reduced, unscaled gradient, summed shard by shard, and the
+        ranks whose local gradient sum (`local_grad_sum`) was not finite.
+
+        [Note: what travels with the norm]
+        One all-reduce (a sum over the world) of [norm partial, one slot per rank]: each rank
+        writes 1.0 into its own slot when its own gradient was not finite, so every rank
+        learns which ranks produced a NaN or inf (after the reduction every rank's shard may
+        hold it) without a second collective.
 
         Every stage sums the same per-shard partial sums in the same order, so the norm
         (and hence clipping) is bitwise identical across stages. A flat replicated over R
@@ -130,6 +143,12 @@ class OptimizerStep:
                 partial = partial / flat.spec.replication
             partials.append(partial)
         total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
-        total = total.reshape(1).to(torch.float32)
-        comm.all_reduce(total, group=self.layout.world, tag="norm")
-        return float(total.sqrt())
+        world = self.layout.world
+        packed = torch.zeros(1 + world.size, dtype=torch.float32, device=total.device)
+        packed[0] = total.to(torch.float32)
+        if local_grad_sum is not None:
+            packed[1 + world.rank] = (~torch.isfinite(local_grad_sum.to(packed.device))).float()
+        comm.all_reduce(packed, group=world, tag="norm")
+        norm = float(packed[0].sqrt())  # the float32 square root, as the norm always was
+        flags = packed[1:].tolist()
+        return norm, tuple(world.ranks[i] for i, flag in enumerate(flags) if flag != 0)
