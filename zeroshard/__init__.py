@@ -44,7 +44,7 @@ def initialize(
         (engine, optimizer, training_dataloader, lr_scheduler); the dataloader is None
         without `training_data`, the scheduler None when neither given nor configured.
     """
-    from .config import ConfigError
+    from .config import ConfigError, requested_collective_timeout_s
     from .engine import Engine
     from .layout import ParallelLayout
     from .resolve import resolve_config
@@ -61,9 +61,11 @@ def initialize(
             "no config: pass config= (a dict or a JSON file path) or args with --deepspeed_config."
         )
     if dist_init_required is not False:
-        init_distributed()
+        # Before the config is resolved (the batch triangle needs the world size): the
+        # timeout is read from the raw config here and validated with the rest below.
+        init_distributed(timeout=requested_collective_timeout_s(raw))
     cfg = resolve_config(raw, world_size=comm.world_size())
-    layout = ParallelLayout.build(cfg.zeroshard.shard_group_size)
+    layout = ParallelLayout.build(cfg.zeroshard.shard_group_size, cfg.zeroshard.collective_timeout_s)
     engine = Engine(
         model, cfg, cfg.precision_plan, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,

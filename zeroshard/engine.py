@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from . import faults
 from .autocast import forward_context
 from .config import ZeroshardConfig
 from .device import select_device
@@ -90,7 +91,9 @@ class Engine:
         self.config = config
         self.precision_plan = plan
         self.policy = stage_policy(config.zero_optimization.stage)
-        self.layout = layout if layout is not None else ParallelLayout.build(config.zeroshard.shard_group_size)
+        self.layout = layout if layout is not None else ParallelLayout.build(
+            config.zeroshard.shard_group_size, config.zeroshard.collective_timeout_s
+        )
         self.world_size = self.layout.world_size
         self.global_rank = self.layout.rank
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -248,6 +251,7 @@ class Engine:
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module under the precision policy (autocast, input casts)."""
+        faults.where.step = self.global_steps
         param_dtype = next(iter(self.precision_plan.groups.values())).param_dtype
         if self.precision_plan.mode in ("bf16", "fp16"):
 
@@ -265,6 +269,7 @@ class Engine:
     # --------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, **kwargs: Any) -> torch.Tensor:
         """`loss.backward()` with the engine's loss scaling; the same as calling it yourself."""
+        faults.where.step = self.global_steps
         before = self._grads.backward_count
         loss.backward(retain_graph=retain_graph, **kwargs)
         if self._grads.backward_count == before:
@@ -294,7 +299,10 @@ class Engine:
                     "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
                 )
             self._grads.flush()
-            result = self._step.run(self._grads.reducer.take_local_sum())
+            faults.where.step = self.global_steps
+            position = (self.global_steps, self._grads.training_forwards)
+            self._grads.training_forwards = 0
+            result = self._step.run(self._grads.reducer.take_local_sum(), position)
             self._global_grad_norm = result.norm
             self._post_clip_grad_norm = result.post_clip_norm
             if result.overflow:

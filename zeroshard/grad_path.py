@@ -111,6 +111,9 @@ class GradientPath:
         self.callback_queued = False
         self.backward_count = 0  # epilogues run so far
         self.needs_flush = False  # local gradients a backward left unreduced
+        # Outermost training forwards (grad enabled, train mode) since the last optimizer
+        # step: every rank must run as many (checked with the step's norm, step.py).
+        self.training_forwards = 0
         self._next_in_order = 0
         self._handles: list[Any] = [
             root.register_forward_pre_hook(self._root_pre, prepend=True),
@@ -129,6 +132,8 @@ class GradientPath:
     # ------------------------------------------------------------ forward side
     def _root_pre(self, module, args) -> None:
         self.forward_depth += 1
+        if self.forward_depth == 1 and not self.in_backward and module.training and torch.is_grad_enabled():
+            self.training_forwards += 1
         if self.params is not None:
             self.params.root_pre_forward(outermost=self.forward_depth == 1)
 

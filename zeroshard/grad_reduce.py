@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm
+from . import comm, faults
 from .flat import FlatParamGroup
 from .layout import ShardingSpec
 
@@ -121,6 +121,10 @@ class GradientReducer:
     # ------------------------------------------------------------------- add
     def add(self, flat: FlatParamGroup) -> None:
         """Queue `flat`'s local gradient (zeros if it has none) for reduction."""
+        with faults.in_unit(flat.unit_name):
+            self._add(flat)
+
+    def _add(self, flat: FlatParamGroup) -> None:
         key = self._key(flat)
         rows, cols = flat.shard_size, self._cols(flat)
         acc_dtype, wire_dtype = flat.role.grad_accum_dtype, flat.role.reduce_dtype

@@ -21,11 +21,13 @@ from typing import Any
 
 import torch
 
-from . import comm
+from . import comm, faults
 from .flat import FlatParamGroup
 from .layout import PLACEMENTS, ParallelLayout
 from .loss_scale import LossScaler
 from .publish import publish_masters
+
+_EXACT = 2**24
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,15 @@ class OptimizerStep:
         self.optimizer: Any = None
         self.lr_scheduler: Any = None
 
-    def run(self, local_grad_sum: torch.Tensor | None = None) -> StepResult:
+    def run(self, local_grad_sum: torch.Tensor | None = None, position: tuple[int, int] = (0, 0)) -> StepResult:
         """One step on the reduced gradients; skipped (parameters, optimizer state and
         scheduler untouched) if the global norm is not finite and the plan checks overflow.
 
         `local_grad_sum` is the sum of this rank's own gradients before reduction (the
         reducer's `take_local_sum`): whether it is finite travels with the norm, so the
-        result names the rank(s) a non-finite gradient came from."""
+        result names the rank(s) a non-finite gradient came from. `position` (this rank's step
+        counter and its training forwards since the last step) travels with it too: ranks
+        that disagree raise RankDesyncError on every rank, before anything is changed."""
         scale = self.loss_scaler.scale
         for flat in self.flats:
             grad = flat.reduced_grad_buffer()
@@ -99,7 +103,7 @@ class OptimizerStep:
                 grad.mul_(1.0 / scale)
             flat.master.grad = grad
 
-        norm, nonfinite_ranks = self.global_norm(local_grad_sum)
+        norm, nonfinite_ranks = self.global_norm(local_grad_sum, position)
         overflow = self.check_overflow and not math.isfinite(norm)
         if overflow:
             post_clip = norm
@@ -119,7 +123,9 @@ class OptimizerStep:
             flat.clear_reduced()
         return StepResult(norm, post_clip, overflow, scale, nonfinite_ranks)
 
-    def global_norm(self, local_grad_sum: torch.Tensor | None = None) -> tuple[float, tuple[int, ...]]:
+    def global_norm(
+        self, local_grad_sum: torch.Tensor | None = None, position: tuple[int, int] = (0, 0)
+    ) -> tuple[float, tuple[int, ...]]:
         """L2 norm of the whole reduced, unscaled gradient, summed shard by shard, and the
         ranks whose local gradient sum (`local_grad_sum`) was not finite.
 
@@ -127,7 +133,9 @@ class OptimizerStep:
         One all-reduce (a sum over the world) of [norm partial, one slot per rank]: each rank
         writes 1.0 into its own slot when its own gradient was not finite, so every rank
         learns which ranks produced a NaN or inf (after the reduction every rank's shard may
-        hold it) without a second collective.
+        hold it) without a second collective. Two more slots per rank carry its position (step
+        counter, training forwards since the last step), checked by
+        `faults.check_positions`: a rank that skipped part of a step is found within the step.
 
         Every stage sums the same per-shard partial sums in the same order, so the norm
         (and hence clipping) is bitwise identical across stages. A flat replicated over R
@@ -144,11 +152,18 @@ class OptimizerStep:
             partials.append(partial)
         total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
         world = self.layout.world
-        packed = torch.zeros(1 + world.size, dtype=torch.float32, device=total.device)
+        size = world.size
+        packed = torch.zeros(1 + 3 * size, dtype=torch.float32, device=total.device)
         packed[0] = total.to(torch.float32)
         if local_grad_sum is not None:
             packed[1 + world.rank] = (~torch.isfinite(local_grad_sum.to(packed.device))).float()
+        # fp32 holds integers exactly below 2**24: counters modulo that still differ when
+        # ranks are a few steps apart.
+        packed[1 + size + world.rank] = position[0] % _EXACT
+        packed[1 + 2 * size + world.rank] = position[1] % _EXACT
         comm.all_reduce(packed, group=world, tag="norm")
         norm = float(packed[0].sqrt())  # the float32 square root, as the norm always was
-        flags = packed[1:].tolist()
+        values = packed[1:].tolist()
+        faults.check_positions(world.ranks, values[size : 2 * size], values[2 * size :])
+        flags = values[:size]
         return norm, tuple(world.ranks[i] for i, flag in enumerate(flags) if flag != 0)
