@@ -66,6 +66,34 @@ class _BackwardEntry(torch.autograd.Function):
         return None, ctx.on_grad(grad)
 
 
+def _inert(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _make_inert() -> Callable[..., None]:
+    return _inert
+
+
+class EngineHook:
+    """A module hook of this engine's. A deep copy (the EMA pattern) or a pickle of the module
+    gets an inert hook instead: the engine (its process groups) cannot be copied, and its
+    schedule must not run for another module."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return _inert
+
+    def __reduce__(self):
+        return _make_inert, ()
+
+
 def wrap_outputs(output: Any, on_grad: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Pass every floating tensor of `output` that requires grad through `_BackwardEntry`."""
 
@@ -116,8 +144,8 @@ class GradientPath:
         self.training_forwards = 0
         self._next_in_order = 0
         self._handles: list[Any] = [
-            root.register_forward_pre_hook(self._root_pre, prepend=True),
-            root.register_forward_hook(self._root_post, always_call=True),
+            root.register_forward_pre_hook(EngineHook(self._root_pre), prepend=True),
+            root.register_forward_hook(EngineHook(self._root_post), always_call=True),
         ]
         for unit in units:
             for flat in unit.flats:

@@ -87,7 +87,9 @@ class _Loaded:
 def _model_differences(engine: Any, index: dict[str, Any]) -> list[str]:
     """Every way the checkpoint's parameters and buffers differ from the model's."""
     module = engine.module
-    model_params = {name: list(p.shape) for name, p in module.named_parameters(remove_duplicate=False)}
+    model_params = {  # ds_shape: a stage-3 parameter outside a gather is empty
+        name: list(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters(remove_duplicate=False)
+    }
     aliases, _, buffer_names = module_names(engine)
     buffers = dict(module.named_buffers(remove_duplicate=False))
     model_buffers = {name: list(buffers[name].shape) for name in buffer_names}
