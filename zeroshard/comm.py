@@ -15,7 +15,8 @@ belonged to (zeroshard/faults.py's note), on the blocking call or on the handle'
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,6 +38,8 @@ __all__ = [
     "reduce_scatter",
     "all_gather",
     "broadcast",
+    "all_to_all_single",
+    "group_of",
     "world_size",
     "rank",
     "set_timeout",
@@ -101,12 +104,28 @@ class Group:
     Attributes:
         ranks: the members' global ranks, in group-rank order.
         rank: this process's index in `ranks` (its group rank).
-        handle: torch's process group; None for a group of one (no communication).
+        handle_ref: a weak reference to torch's process group; None for a group of one (no
+            communication). Weak so that an engine alive at exit does not keep the group, and
+            its gloo threads, alive past destroy_process_group ([Note: process-group lifetime]
+            in zeroshard/distributed.py).
     """
 
     ranks: tuple[int, ...]
     rank: int
-    handle: object = None
+    handle_ref: Callable[[], object] | None = None
+
+    @property
+    def handle(self) -> object:
+        """torch's process group; None for a group of one (no communication)."""
+        if self.handle_ref is None:
+            return None
+        handle = self.handle_ref()
+        if handle is None:
+            raise RuntimeError(
+                f"{self!r}: its process group was destroyed (destroy_process_group). Use the engine "
+                "only while its process group exists."
+            )
+        return handle
 
     @property
     def size(self) -> int:
@@ -119,7 +138,16 @@ class Group:
 def world_group() -> Group:
     """Every rank (the default process group, named explicitly)."""
     initialized = dist.is_available() and dist.is_initialized()
-    return Group(tuple(range(world_size())), rank(), dist.group.WORLD if initialized else None)
+    return Group(tuple(range(world_size())), rank(), _weak(dist.group.WORLD) if initialized else None)
+
+
+def _weak(handle: object) -> Callable[[], object] | None:
+    if handle is None:
+        return None
+    try:
+        return weakref.ref(handle)
+    except TypeError:  # torch's marker for a group this rank is not in (not a group object)
+        return lambda: handle
 
 
 def self_group(world: Group) -> Group:
@@ -135,7 +163,7 @@ def new_group(members: tuple[int, ...], world: Group, timeout_s: float | None = 
     mine = world.ranks[world.rank]
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     handle = dist.new_group(list(members), timeout=timeout) if len(members) > 1 else None
-    return Group(members, members.index(mine) if mine in members else -1, handle)
+    return Group(members, members.index(mine) if mine in members else -1, _weak(handle))
 
 
 def _check(group: Group) -> Group:
@@ -148,7 +176,7 @@ class CollectiveRecord:
     """One collective as it went on the wire.
 
     Attributes:
-        op: "all_reduce", "reduce_scatter", "all_gather" or "broadcast".
+        op: "all_reduce", "reduce_scatter", "all_gather", "broadcast" or "all_to_all".
         dtype: the dtype of the tensors sent.
         numel: elements of the full, unsharded buffer (the reduce-scatter input, the
             all-gather output).
@@ -317,3 +345,34 @@ def all_gather_object(obj: object, *, group: Group) -> list[object]:
     out: list[object] = [None] * group.size
     _call(_describe("all_gather_object", "control", group), dist.all_gather_object, out, obj, group=group.handle)
     return out
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    *,
+    group: Group,
+    tag: str = "",
+) -> torch.Tensor:
+    """Send the i-th slice of `input` (along dim 0) to group rank i; slice j of `output` is what
+    group rank j sent. Equal slices when the split sizes are None, as torch's function.
+
+    Recorded with the elements this rank sends. On a group of one, `output` is a copy of `input`.
+    """
+    if _check(group).size == 1:
+        output.copy_(input)
+        return output
+    _record("all_to_all", input, input.numel(), tag, group)
+    dist.all_to_all_single(
+        output, input.contiguous(), output_split_sizes, input_split_sizes, group=group.handle
+    )
+    return output
+
+
+def group_of(handle: object) -> Group:
+    """A `Group` for a torch process group a caller holds (DeepSpeed code passes those as
+    `ep_group`); a handle of one rank becomes a group without communication."""
+    ranks = tuple(dist.get_process_group_ranks(handle))
+    return Group(ranks, ranks.index(rank()), _weak(handle) if len(ranks) > 1 else None)

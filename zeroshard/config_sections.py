@@ -146,10 +146,6 @@ def _disabled_section(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and not v.get("enabled", False))
 
 
-def _offload_off(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and str(v.get("device", "none")).lower() == "none")
-
-
 def _empty(v: Any) -> bool:
     return v is None or v == {} or v == []
 
@@ -380,6 +376,84 @@ class DataTypesConfig(_Section):
         return _validate_dtype_name(value)
 
 
+# ZeRO-Offload (zero_optimization.offload_optimizer / offload_param); the rules across keys
+# are in zeroshard/config_offload.py.
+_NVME_REFUSAL = (
+    'offloading to NVMe (ZeRO-Infinity) is not supported by zeroshard. Use "cpu" (host memory), or "none"'
+)
+
+
+def _device(value: Any) -> Any:
+    if isinstance(value, str):
+        lowered = value.lower()
+        if lowered == "nvme":
+            raise ValueError(_NVME_REFUSAL)
+        if lowered not in ("cpu", "none"):
+            raise ValueError('must be "cpu" or "none". Use "cpu" to keep this state in host memory')
+        return lowered
+    return value
+
+
+class OffloadOptimizerConfig(_Section):
+    """``zero_optimization.offload_optimizer``: master weights and optimizer state on the host."""
+
+    device: str = "none"
+    pin_memory: bool = False
+    ratio: float = Field(1.0, gt=0.0, le=1.0)
+    nvme_path: str | None = None
+    buffer_count: JsonInt = Field(4, ge=0)
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+
+    NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
+        {"nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init"}
+    )
+    UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"ratio"})
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _check_device(cls, value: Any) -> Any:
+        return _device(value)
+
+    @field_validator("ratio", mode="before")
+    @classmethod
+    def _check_ratio(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1:
+            raise ValueError(
+                "a partial offload (part of the optimizer step on the device, Offload++) is not "
+                "supported by zeroshard. Use 1.0 (the whole step on the host)"
+            )
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+class OffloadParamConfig(_Section):
+    """``zero_optimization.offload_param``: stage 3's parameter shards on the host."""
+
+    device: str = "none"
+    pin_memory: bool = False
+    nvme_path: str | None = None
+    buffer_count: JsonInt = Field(5, ge=0)
+    buffer_size: JsonInt = Field(100_000_000, ge=0)
+    max_in_cpu: JsonInt = Field(1_000_000_000, ge=0)
+
+    NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"nvme_path", "buffer_count", "buffer_size", "max_in_cpu"})
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _check_device(cls, value: Any) -> Any:
+        return _device(value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+
 class ZeroConfig(_Section):
     """``zero_optimization``: the ZeRO stage and bucket sizes (element counts).
 
@@ -420,6 +494,11 @@ class ZeroConfig(_Section):
     enable_sanity_checks: bool = False
     save_muon_momentum_buffer_in_memory: bool = False
     cpu_offload_use_pin_memory: bool | None = None
+    # ZeRO-Offload, and DeepSpeed's legacy booleans for it (cpu_offload = offload_optimizer cpu).
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    offload_param: OffloadParamConfig | None = None
+    cpu_offload: bool | None = None
+    cpu_offload_param: bool | None = None
 
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
         {
@@ -435,6 +514,8 @@ class ZeroConfig(_Section):
             "cpu_offload_use_pin_memory",
         }
     )
+    # The offload switches' defaults (off) are not worth listing.
+    UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"cpu_offload", "cpu_offload_param"})
     # DeepSpeed's names without the stage3_ prefix (its pydantic aliases).
     ALIASES: ClassVar[dict[str, str]] = {
         "param_persistence_threshold": "stage3_param_persistence_threshold",
@@ -447,10 +528,6 @@ class ZeroConfig(_Section):
         "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     }
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
-        "offload_optimizer": _Unsupported(_offload_off, "Offloading is not implemented; remove it."),
-        "offload_param": _Unsupported(_offload_off, "Offloading is not implemented; remove it."),
-        "cpu_offload": _Unsupported(_equals(False, None), "Offloading is not implemented; remove it."),
-        "cpu_offload_param": _Unsupported(_equals(False, None), "Offloading is not implemented; remove it."),
         "zero_hpz_partition_size": _Unsupported(_equals(1), "ZeRO++ hpZ is not implemented; remove it."),
         "zero_quantized_weights": _Unsupported(_equals(False), "ZeRO++ quantization is not implemented."),
         "zero_quantized_nontrainable_weights": _Unsupported(
@@ -464,6 +541,21 @@ class ZeroConfig(_Section):
         "legacy_stage1": _Unsupported(_equals(False), "Remove it."),
         "leaf_module": _Unsupported(_empty, "Use zeroshard.unit_module_classes to choose units."),
     }
+
+    @property
+    def optimizer_offload(self) -> bool:
+        """Master weights and optimizer state on the host (offload_optimizer, or cpu_offload)."""
+        return bool(self.cpu_offload) or (self.offload_optimizer is not None and self.offload_optimizer.enabled)
+
+    @property
+    def param_offload(self) -> bool:
+        """Stage 3's parameter shards on the host (offload_param, or cpu_offload_param)."""
+        return bool(self.cpu_offload_param) or (self.offload_param is not None and self.offload_param.enabled)
+
+    @property
+    def offload_pin_memory(self) -> bool:
+        """Pin the host buffers (either section's pin_memory)."""
+        return any(s is not None and s.enabled and s.pin_memory for s in (self.offload_optimizer, self.offload_param))
 
     @property
     def overlap_comm_resolved(self) -> bool:

@@ -1,9 +1,36 @@
-"""Process-group set-up from torchrun's environment."""
+"""Process-group set-up from torchrun's environment, and its lifetime.
+
+[Note: process-group lifetime]
+The group must be destroyed, and actually freed, before the interpreter finalizes. Its
+gloo worker threads execute the asynchronous collectives; one issued inside a backward (a
+gradient reduction from an autograd hook) carries the thread-local state of torch's autograd
+call, which holds a Python object (`_engine_run_backward` stashes the caller's
+`contextvars.Context`). The worker that ran the collective may drop the last reference to it
+just after `wait()` returned, and freeing that object needs the GIL. If the interpreter is
+finalizing by then, CPython ends the worker thread inside a `noexcept` destructor and the
+process aborts ("terminate called without an active exception", SIGABRT). Freeing the group
+joins its worker threads (with the GIL released), so the group must be gone first:
+
+- a group `init_distributed` creates is destroyed by an atexit handler (after the user's
+  own code, before finalization), unless the user destroyed it already;
+- a group the user creates is the user's to destroy (`dist.destroy_process_group()` at the
+  end of the script, as torch asks);
+- `destroy_process_group` frees the group only if nothing else references it. torch's own
+  `torch.distributed.nn.functional` captures `group.WORLD` in its default arguments when it
+  is first imported, and torch imports it lazily (the first optimizer imports torch._dynamo,
+  which imports FSDP, which imports it), i.e. after the group exists: the group then
+  outlives `destroy_process_group` and its threads live into finalization. Importing that
+  module here, with zeroshard, before any group exists leaves its defaults at None; and
+  zeroshard itself holds groups only through weak references (`comm.Group.handle_ref`), so
+  an engine still alive at exit does not keep them.
+"""
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
+import warnings
 from datetime import timedelta
 
 import torch
@@ -12,6 +39,10 @@ import torch.distributed as dist
 from .device import binds_device_id, cuda_device_index, uses_nccl
 from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S
 from .launchers import discover_launch, export_launch
+
+if dist.is_available() and not dist.is_initialized():
+    # Before any group exists: see [Note: process-group lifetime].
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def default_backend() -> str:
@@ -52,12 +83,23 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | float
         if binds_device_id(launch.world_size):
             kwargs["device_id"] = torch.device("cuda", index)
     dist.init_process_group(backend=backend, **kwargs)
-    # A process that exits with the group alive can abort in the backend's threads at
-    # interpreter shutdown ("terminate called without an active exception"); the group
-    # this function created is torn down at exit unless the user already did it.
+    # The group must be freed before the interpreter finalizes: see [Note: process-group lifetime].
     atexit.register(_destroy_if_initialized)
 
 
 def _destroy_if_initialized() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.group.WORLD
+    gloo = dist.get_backend() == "gloo"
+    dist.destroy_process_group()
+    # Freed here unless something else holds it (2: `world` and getrefcount's argument).
+    if gloo and sys.getrefcount(world) > 2:
+        warnings.warn(
+            "zeroshard: the process group is still referenced after destroy_process_group, so its "
+            "gloo worker threads live into interpreter shutdown, where they can abort the process "
+            "('terminate called without an active exception'). Drop references to process groups "
+            "(dist.group.WORLD, a DeviceMesh, FSDP modules) before the script ends.",
+            RuntimeWarning,
+            stacklevel=1,
+        )

@@ -29,6 +29,8 @@ from .grad_path import GradientPath
 from .grad_reduce import GradientReducer
 from .layout import ParallelLayout
 from .loss_scale import make_loss_scaler
+from .moe.utils import attach_expert_groups, is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from .offload import OffloadPlan, build_host_optimizer, place_layout
 from .optim import build_optimizer, muon, repoint_optimizer
 from .param_registry import ParamRegistry
 from .param_schedule import ParamSchedule
@@ -37,6 +39,7 @@ from .stages import stage_policy
 from .step import OptimizerStep, StepResult
 from .unit import Unit
 from .units import plan_units
+from .utils import groups
 
 logger = logging.getLogger("zeroshard")
 
@@ -91,9 +94,11 @@ class Engine:
         self.config = config
         self.precision_plan = plan
         self.policy = stage_policy(config.zero_optimization.stage)
-        self.layout = layout if layout is not None else ParallelLayout.build(
+        layout = layout if layout is not None else ParallelLayout.build(
             config.zeroshard.shard_group_size, config.zeroshard.collective_timeout_s
         )
+        self.offload = OffloadPlan.from_config(config.zero_optimization)
+        self.layout = place_layout(layout, self.offload)  # where each role lives (offload.py)
         self.world_size = self.layout.world_size
         self.global_rank = self.layout.rank
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -103,10 +108,21 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
+        self._stepped_after_backward = -1  # backward_count at the last step() call
         self._global_grad_norm: float | None = None
         self._post_clip_grad_norm: float | None = None
         self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
+        # MoE layers get their expert-parallel groups (collective, the same order everywhere)
+        # before any flat is built: expert flats are sharded over those groups.
+        self.expert_group_names = attach_expert_groups(model)
+        if optimizer is None and model_parameters is None and self.expert_group_names:
+            # The optimizer comes from the config: keep expert parameters in groups of their
+            # own, as DeepSpeed asks users to (split_params_into_different_moe_groups_for_optimizer).
+            model_parameters = split_params_into_different_moe_groups_for_optimizer(
+                {"params": [p for p in model.parameters() if p.requires_grad], "name": "dense-params"},
+                max_group_size=None,
+            )
         hyper, group_of = _optimizer_groups(model, model_parameters, optimizer)
         if muon.is_muon_requested(optimizer, config.optimizer):
             # Muon and AdamW parameters in separate groups, hence separate flats (optim/muon.py).
@@ -173,9 +189,11 @@ class Engine:
         specs = plan_units(model, extras.unit_module_classes, extras.unit_min_params)
         units = []
         for spec in specs:
-            classes: dict[tuple[str, int], tuple[list[str], list[nn.Parameter]]] = {}
+            # One flat per (precision role, optimizer group, expert group): expert parameters
+            # are sharded over their expert-data-parallel group, dense ones over the layout's.
+            classes: dict[tuple[str, int, str | None], tuple[list[str], list[nn.Parameter]]] = {}
             for name, p in zip(spec.param_names, spec.params, strict=False):
-                key = (self._param_group_name[id(p)], group_of[id(p)])
+                key = (self._param_group_name[id(p)], group_of[id(p)], p.group_name if is_moe_param(p) else None)
                 classes.setdefault(key, ([], []))
                 classes[key][0].append(name)
                 classes[key][1].append(p)
@@ -189,12 +207,18 @@ class Engine:
             flats = [
                 FlatParamGroup(
                     spec.name, names, params, self.precision_plan.groups[role_name],
-                    opt_group, policy, self.device, self.layout.dense,
+                    opt_group, policy, self.device, self._sharding(expert_group),
                 )
-                for (role_name, opt_group), (names, params) in classes.items()
+                for (role_name, opt_group, expert_group), (names, params) in classes.items()
             ]
             units.append(Unit(spec.name, spec.module, flats))
         return units
+
+    def _sharding(self, expert_group: str | None):
+        """Expert flats: over their expert-data-parallel group; dense flats: the layout's."""
+        if expert_group is None:
+            return self.layout.dense
+        return self.layout.expert(groups._get_expert_data_parallel_group(expert_group))
 
     def _make_optimizer(self, optimizer, hyper, masters_by_group):
         groups = [dict(h, params=m) for h, m in zip(hyper, masters_by_group, strict=True)]
@@ -216,6 +240,10 @@ class Engine:
             return repoint_optimizer(optimizer, masters_by_group)
         if callable(optimizer):
             return optimizer(groups)
+        if self.config.optimizer is not None and self._step.placement == "host":
+            return build_host_optimizer(
+                self.config.optimizer.type, dict(self.config.optimizer.params), groups, state_dtype
+            )
         if self.config.optimizer is not None:
             return build_optimizer(
                 self.config.optimizer.type, dict(self.config.optimizer.params), groups, state_dtype
@@ -292,7 +320,16 @@ class Engine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> None:
-        """The optimizer step, at the accumulation boundary only."""
+        """The optimizer step, at the accumulation boundary only.
+
+        A second call for the same step (no backward since the last `step()`) changes
+        nothing: no optimizer step, no counter moves, so Adam's bias correction is what one
+        call gives. Every rank counts the same backwards (a rank whose loss missed the model
+        still runs the backward epilogue in `engine.backward`), so they agree on it.
+        """
+        if self._grads.backward_count == self._stepped_after_backward:
+            return
+        self._stepped_after_backward = self._grads.backward_count
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is None:
                 raise RuntimeError(

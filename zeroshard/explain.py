@@ -152,10 +152,12 @@ def explain_data(
             "derived": list(config.derived_keys),
         },
         "optimizer": config.optimizer.type if config.optimizer else None,
+        "placement": _placement(config),
         "precision": plan.as_dict(),
         "defaults_applied": list(config.defaults_applied),
         "no_effect_keys": list(config.no_effect_keys),
         "model": None,
+        "moe": None,
     }
     estimate: MemoryEstimate | None = None
     if model_spec is not None:
@@ -165,7 +167,13 @@ def explain_data(
         units = _unit_numels(model, config)
         if units is not None:
             data["model"]["units"] = {"count": len(units), "largest_numel": max(units, default=0)}
-        estimate = estimate_for_config(config, plan, counts, unit_numels=units)
+        from zeroshard.moe.report import moe_report
+
+        data["moe"], expert_counts = moe_report(model, world_size, assign_param_groups(plan, model))
+        for by_group in expert_counts.values():  # experts are estimated over their own groups
+            for group, numel in by_group.items():
+                counts[group] -= numel
+        estimate = estimate_for_config(config, plan, counts, unit_numels=units, expert_counts=expert_counts)
         if config.optimizer is not None and config.optimizer.type.lower() == "muon":
             from zeroshard.optim.muon import muon_param_plan
 
@@ -189,6 +197,20 @@ def explain_data(
         "estimate": estimate.as_dict() if estimate else None,
     }
     return data
+
+
+def _placement(config: ZeroshardConfig) -> dict[str, Any]:
+    """Where each role lives (ZeRO-Offload moves some to the host, zeroshard/offload.py)."""
+    zero = config.zero_optimization
+    host_params = zero.param_offload and zero.stage == 3
+    return {
+        "params": "host (shard; gathered on the device)" if host_params else "device",
+        "gradients": "device (reduced shard copied to the host at the step)" if zero.optimizer_offload else "device",
+        "master_weights": "host" if zero.optimizer_offload else "device",
+        "optimizer_state": "host" if zero.optimizer_offload else "device",
+        "optimizer_step": "host CPU (fused CPU Adam)" if zero.optimizer_offload else "device",
+        "pin_memory": zero.offload_pin_memory,
+    }
 
 
 def _human(nbytes: float) -> str:
@@ -238,6 +260,11 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     keys = precision.get("overflow_keys") or "always with fp16 loss scaling"
     console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']} ({keys})")
     console.print(f"floating buffers: {precision.get('buffers', 'own dtype')} (data_types.buffer_dtype)")
+    place = data["placement"]
+    console.print(
+        "where each role lives: " + ", ".join(f"{k} {v}" for k, v in place.items() if k != "pin_memory")
+        + (" (host buffers pinned)" if place["pin_memory"] else "")
+    )
     for note in precision["notes"]:
         console.print(f"note: {note}")
     for choice in precision.get("lossy", []):
@@ -262,6 +289,15 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
                 kind = "Muon" if name in model["muon"]["muon"] else "AdamW"
                 muon_table.add_row(name, kind, reason)
             console.print(muon_table)
+    moe = data.get("moe")
+    if moe:
+        console.print(f"dense parameters: sharded over ranks {moe['dense_sharded_over']}")
+        for g in moe["expert_groups"]:
+            console.print(
+                f"experts, ep_size {g['ep_size']} ({g['layers']} layer(s), {g['local_experts_per_layer']} of "
+                f"{g['experts_per_layer']} experts per rank): tokens exchanged within {g['expert_parallel_groups']}, "
+                f"expert parameters sharded over {g['expert_data_parallel_groups']}"
+            )
 
     memory = data["memory"]
     estimate = memory["estimate"]
@@ -273,14 +309,20 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     else:
         mem = Table(title=f"Per-rank memory estimate ({estimate['num_params']:,} params, W={estimate['world_size']})")
         mem.add_column("component")
+        mem.add_column("lives on")
         mem.add_column("bytes", justify="right")
+        placement = estimate["placement"]
         for key, value in estimate["model_states"].items():
-            mem.add_row(key, _human(value))
-        mem.add_row("[bold]model states[/bold]", f"[bold]{_human(estimate['model_state_bytes'])}[/bold]")
+            mem.add_row(key, placement[key], _human(value))
+        mem.add_row("[bold]model states[/bold]", "", f"[bold]{_human(estimate['model_state_bytes'])}[/bold]")
         for key, value in estimate["buffers"].items():
             if value:
-                mem.add_row(f"{key} (bound)", _human(value))
-        mem.add_row("[bold]total[/bold]", f"[bold]{_human(estimate['total_bytes'])}[/bold]")
+                mem.add_row(f"{key} (bound)", "device", _human(value))
+        pinned = " (pinned)" if estimate["pinned"] else ""
+        for key, value in estimate["host_buffers"].items():
+            mem.add_row(f"{key}{pinned}", "host", _human(value))
+        mem.add_row("[bold]device total[/bold]", "device", f"[bold]{_human(estimate['device_bytes'])}[/bold]")
+        mem.add_row("[bold]host total[/bold]", "host", f"[bold]{_human(estimate['host_bytes'])}[/bold]")
         console.print(mem)
         for assumption in estimate["assumptions"]:
             console.print(f"assumed: {assumption}")

@@ -33,6 +33,7 @@ from torch import nn
 from . import comm
 from .gather import Gathering, GatherPiece, all_gather_shards
 from .layout import ShardingSpec
+from .offload import host_copy
 from .precision import RolePlan
 from .ranges import overlap
 from .stages import StagePolicy
@@ -96,7 +97,10 @@ class FlatParamGroup:
         self._pending_gather: Gathering | None = None  # the all-gather in flight
         self.param_shard: torch.Tensor | None = None
         if not policy.keep_full_params:
-            self.param_shard = self.shard_of(self.full).clone()
+            if spec.param_placement == "host":  # offload_param: the gathers start from the host
+                self.param_shard = host_copy(self.shard_of(self.full), role.param_dtype, spec.pin_memory)
+            else:
+                self.param_shard = self.shard_of(self.full).clone()
 
         self.master = self._make_master()
         self.local_grad: torch.Tensor | None = None
@@ -145,8 +149,25 @@ class FlatParamGroup:
             p.data = empty
 
     # ----------------------------------------------------------------- master
+    @property
+    def master_is_own_copy(self) -> bool:
+        """The master is a tensor of its own, not the parameter buffer (or its shard)."""
+        return not self.role.master_is_param or self.master is not self._param_home()
+
+    def _param_home(self) -> torch.Tensor:
+        if self.param_shard is not None:
+            return self.param_shard
+        return self.shard_of(self.full) if self.policy.shard_optimizer else self.full
+
     def _make_master(self) -> torch.Tensor:
         role = self.role
+        home = self.spec.param_placement if self.param_shard is not None else "device"
+        if self.spec.placement != home:
+            # Offload: the master lives apart from the parameters (zeroshard/offload.py), in
+            # its own copy even when the plan says the masters are the parameters.
+            if self.spec.placement == "host":
+                return host_copy(self._param_home(), role.master_dtype, self.spec.pin_memory)
+            return self._param_home().to(device=self.device, dtype=role.master_dtype, copy=True)
         if role.master_is_param:
             if self.param_shard is not None:
                 return self.param_shard
@@ -217,7 +238,7 @@ class FlatParamGroup:
             if self.param_shard is not None:  # stage 3: params stay sharded
                 if self.param_shard is not self.master:
                     self.param_shard.copy_(self.master)
-            elif not self.role.master_is_param:  # stage 0 with a separate master
+            elif self.master_is_own_copy:  # stage 0 with a separate master
                 self.full.copy_(self.master)
 
     # ------------------------------------------------- writes from outside training
@@ -244,13 +265,15 @@ class FlatParamGroup:
         full = self.full
         with torch.no_grad():
             if self.param_shard is not None:
-                shard_changed = self.shard_of(changed)
-                self.param_shard.copy_(torch.where(shard_changed, self.shard_of(full), self.param_shard))
+                at = self.param_shard.device  # the host with offload_param
+                shard_changed = self.shard_of(changed).to(at)
+                self.param_shard.copy_(torch.where(shard_changed, self.shard_of(full).to(at), self.param_shard))
             source = full if not self.policy.shard_optimizer else self.shard_of(full)
-            if self.master is source or self.master is self.param_shard or self.role.master_is_param:
+            if self.master is source or self.master is self.param_shard or not self.master_is_own_copy:
                 return  # the master is the parameter buffer itself: already written
             mask = changed if not self.policy.shard_optimizer else self.shard_of(changed)
-            self.master.copy_(torch.where(mask, source.to(self.master.dtype), self.master))
+            at = self.master.device
+            self.master.copy_(torch.where(mask.to(at), source.to(device=at, dtype=self.master.dtype), self.master))
 
     # -------------------------------------------------------------- gradients
     def _restart_local(self, buffer: torch.Tensor) -> None:

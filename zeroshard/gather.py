@@ -83,15 +83,16 @@ class Gathering:
             # source is copied so that a later in-place change of it (an optimizer step on
             # a master that is the shard) cannot race the collective.
             bucket.direct = True
-            mine = first.source.reshape(-1).to(wire, copy=True)
+            mine = first.source.reshape(-1).to(device=first.target.device, dtype=wire, copy=True)
             bucket.work = comm.all_gather(first.target, mine, group=group, tag=self._tag, async_op=True)
         else:
-            mine = torch.empty(bucket.columns, dtype=wire, device=first.source.device)
+            # On the target's device: a host source (offload) is packed into a device bucket.
+            mine = torch.empty(bucket.columns, dtype=wire, device=first.target.device)
             for slot in bucket.slots:
                 # Cast while copying: the wire carries `wire`.
                 source = slot.piece.source.reshape(-1)[slot.c0 : slot.c1]
                 mine[slot.offset : slot.offset + slot.c1 - slot.c0].copy_(source)
-            bucket.output = torch.empty(group.size, bucket.columns, dtype=wire, device=first.source.device)
+            bucket.output = torch.empty(group.size, bucket.columns, dtype=wire, device=first.target.device)
             bucket.work = comm.all_gather(bucket.output, mine, group=group, tag=self._tag, async_op=True)
         self._in_flight.append(bucket)
 

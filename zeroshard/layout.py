@@ -32,13 +32,13 @@ default layout's norm is bitwise what it was.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import comm
 from .comm import Group
 
-PLACEMENTS = ("device",)  # where masters and optimizer state live; "host" comes with offload
+PLACEMENTS = ("device", "host")  # where a role lives; "host" with ZeRO-Offload (zeroshard/offload.py)
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,18 @@ class ShardingSpec:
             all-reduced over it); a group of one without replication.
         peers: every rank holding these parameters, shard x replicate (the initial broadcast,
             GatheredParameters' broadcast).
-        placement: where master weights and optimizer state live ("device" today).
+        placement: where master weights and optimizer state live ("device", or "host" with
+            offload_optimizer).
+        param_placement: where stage 3's parameter shard lives ("host" with offload_param).
+        pin_memory: host buffers are pinned (offload's pin_memory, with a GPU present).
     """
 
     shard: Group
     replicate: Group
     peers: Group
     placement: str = "device"
+    param_placement: str = "device"
+    pin_memory: bool = False
 
     @property
     def replication(self) -> int:
@@ -134,6 +139,12 @@ class ParallelLayout:
         else:
             shard, replicate = partition(world, size, timeout_s=timeout_s)
         return cls(world, ShardingSpec(shard, replicate, world))
+
+    def expert(self, edp: Group) -> ShardingSpec:
+        """The spec of an expert flat whose experts are held by the expert-data-parallel group
+        `edp` (zeroshard/utils/groups.py builds it): sharded over it, replicated nowhere."""
+        # Placement (device or host, pinned) is the dense spec's: offload applies to experts too.
+        return replace(self.dense, shard=edp, replicate=comm.self_group(self.world), peers=edp)
 
     def describe(self) -> str:
         d = self.dense

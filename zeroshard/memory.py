@@ -27,6 +27,14 @@ accumulated element. In fp32 and torch_autocast modes the master weights are the
 * stages 1-2: the parameter all-gather after the step (``allgather_bucket_size``, gather dtype);
 * stage 3: gathered units (prefetch bucket + the largest unit, gather dtype) and the small units
   kept resident (below ``stage3_param_persistence_threshold``).
+
+With ZeRO-Offload (zeroshard/offload.py) each role has a placement: ``offload_optimizer`` puts
+the master weights (always a copy of their own there, also when the plan says the masters are
+the parameters, except at stage 3 with ``offload_param`` where the host parameter shard is the
+fp32 master) and the optimizer state on the host, ``offload_param`` stage 3's parameter
+shard. The host also holds one gradient landing buffer per flat (the shard in the master
+dtype, pinned with ``pin_memory`` and a GPU). ``device_bytes`` and ``host_bytes`` split the
+total by where it lives.
 """
 
 from __future__ import annotations
@@ -135,6 +143,9 @@ class MemoryEstimate:
         model_states: bytes by role (params, gradients, master_weights, optimizer_state).
         buffers: bytes of bounded transient/communication buffers.
         assumptions: what the estimate assumed (printed by explain).
+        placement: where each model-state role lives ("device" or "host").
+        host_buffers: bytes of host buffers (offload's gradient landing buffers).
+        pinned: whether the host buffers and states are pinned (pin_memory).
     """
 
     stage: int
@@ -144,6 +155,21 @@ class MemoryEstimate:
     model_states: dict[str, int]
     buffers: dict[str, int]
     assumptions: list[str] = field(default_factory=list)
+    placement: dict[str, str] = field(default_factory=lambda: dict.fromkeys(MODEL_STATE_KEYS, "device"))
+    host_buffers: dict[str, int] = field(default_factory=dict)
+    pinned: bool = False
+
+    @property
+    def device_bytes(self) -> int:
+        """What lives on the accelerator: device-placed model states and every device buffer."""
+        states = sum(v for k, v in self.model_states.items() if self.placement[k] == "device")
+        return states + self.buffer_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """What lives in host memory: offloaded model states and the host buffers."""
+        states = sum(v for k, v in self.model_states.items() if self.placement[k] == "host")
+        return states + sum(self.host_buffers.values())
 
     @property
     def model_state_bytes(self) -> int:
@@ -169,6 +195,11 @@ class MemoryEstimate:
             "buffer_bytes": self.buffer_bytes,
             "total_bytes": self.total_bytes,
             "assumptions": list(self.assumptions),
+            "placement": dict(self.placement),
+            "host_buffers": dict(self.host_buffers),
+            "pinned": self.pinned,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
         }
 
 
@@ -184,6 +215,10 @@ def estimate_memory(
     prefetch_bucket_size: int = 50_000_000,
     unit_numels: list[int] | None = None,
     persistence_threshold: int = 100_000,
+    expert_counts: Mapping[int, Mapping[str, int]] | None = None,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    pin_memory: bool = False,
 ) -> MemoryEstimate:
     """Estimate per-rank bytes for ``stage`` on ``world_size`` ranks.
 
@@ -200,6 +235,10 @@ def estimate_memory(
         unit_numels: element counts of the units (DESIGN section 3); None = one unit holding
             everything (an upper bound).
         persistence_threshold: stage-3 units smaller than this stay gathered.
+        expert_counts: MoE expert parameters held on a rank (its local experts), by the
+            expert-data-parallel size they are sharded over, then by precision group; not
+            included in ``param_counts`` (DESIGN section 9: experts are sharded over EDP).
+        offload_optimizer, offload_param, pin_memory: ZeRO-Offload (see the module docstring).
     """
     policy = stage_policy(stage)  # ValueError naming the stage for anything but 0-3
     if world_size < 1:
@@ -210,7 +249,14 @@ def estimate_memory(
         raise ValueError(
             f"param_counts names groups {sorted(unknown)} that the plan does not have ({list(plan.groups)})"
         )
-    total = sum(counts.values())
+    # (precision group, elements on this rank unsharded, ranks they are sharded over)
+    holdings = [(name, numel, world_size) for name, numel in counts.items()]
+    for edp_size, by_group in (expert_counts or {}).items():
+        unknown |= set(by_group) - set(plan.groups)
+        holdings += [(name, numel, edp_size) for name, numel in by_group.items()]
+    if unknown:
+        raise ValueError(f"expert_counts names groups {sorted(unknown)} that the plan does not have")
+    total = sum(numel for _, numel, _ in holdings)
     units = list(unit_numels) if unit_numels else [total]
     largest_unit = max(units) if units else 0
     assumptions = []
@@ -218,14 +264,23 @@ def estimate_memory(
         assumptions.append("one unit holding every parameter (pass a model for its real units)")
 
     model_states = dict.fromkeys(MODEL_STATE_KEYS, 0)
+    placement = dict.fromkeys(MODEL_STATE_KEYS, "device")
+    offload_param = offload_param and not policy.keep_full_params
+    if offload_optimizer:
+        placement["master_weights"] = placement["optimizer_state"] = "host"
+    if offload_param:
+        placement["params"] = "host"
+    host_buffers: dict[str, int] = {}
     per_group: dict[str, dict[str, int]] = {}
-    for name, numel in counts.items():
+    for name, numel, shard_size in holdings:
         role = plan.groups[name]
-        shard = padded_shard_numel(numel, world_size)
+        shard = padded_shard_numel(numel, shard_size)
+        # An offloaded master is a copy of its own, unless the host parameter shard is it.
+        master_is_param = role.master_is_param and offload_optimizer == offload_param
         kept = {  # elements of each role held on this rank
             "params": numel if policy.keep_full_params else shard,
             "gradients": shard if policy.reduce_every_backward else numel,
-            "master_weights": 0 if role.master_is_param else (shard if policy.shard_optimizer else numel),
+            "master_weights": 0 if master_is_param else (shard if policy.shard_optimizer else numel),
             "optimizer_state": optimizer_states * (shard if policy.shard_optimizer else numel),
         }
         group_bytes = {
@@ -236,10 +291,13 @@ def estimate_memory(
         }
         for key, value in group_bytes.items():
             model_states[key] += value
-        per_group[name] = {"num_params": numel, "padded_num_params": shard * world_size, **group_bytes}
+        label = name if shard_size == world_size and name not in per_group else f"{name} (experts, EDP {shard_size})"
+        per_group[label] = {"num_params": numel, "padded_num_params": shard * shard_size, **group_bytes}
+        if offload_optimizer:  # the reduced shard lands here before the host step
+            host_buffers["grad_landing"] = host_buffers.get("grad_landing", 0) + shard * _size(role.master_dtype)
 
     # Buffers take the widest dtype of any group present: they are bounds, not exact figures.
-    roles = [plan.groups[name] for name, n in counts.items() if n > 0] or [next(iter(plan.groups.values()))]
+    roles = [plan.groups[name] for name, n, _ in holdings if n > 0] or [next(iter(plan.groups.values()))]
     accum_size = max(_size(r.grad_accum_dtype) for r in roles)
     reduce_size = max(_size(r.reduce_dtype) for r in roles)
     gather_size = max(_size(r.gather_dtype) for r in roles)
@@ -263,6 +321,9 @@ def estimate_memory(
         model_states=model_states,
         buffers=buffers,
         assumptions=assumptions,
+        placement=placement,
+        host_buffers=host_buffers,
+        pinned=pin_memory and (offload_optimizer or offload_param),
     )
 
 
@@ -273,6 +334,7 @@ def estimate_for_config(
     *,
     world_size: int | None = None,
     unit_numels: list[int] | None = None,
+    expert_counts: Mapping[int, Mapping[str, int]] | None = None,
 ) -> MemoryEstimate:
     """``estimate_memory`` with the stage, bucket sizes and optimizer taken from ``config``."""
     zero = config.zero_optimization
@@ -289,6 +351,10 @@ def estimate_for_config(
         prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
         unit_numels=unit_numels,
         persistence_threshold=zero.stage3_param_persistence_threshold,
+        expert_counts=expert_counts,
+        offload_optimizer=zero.optimizer_offload,
+        offload_param=zero.param_offload,
+        pin_memory=zero.offload_pin_memory,
     )
     if optimizer is None:
         estimate.assumptions.append("no optimizer in the config: counted as AdamW (2 states)")

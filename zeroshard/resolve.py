@@ -15,6 +15,7 @@ import os
 import warnings
 
 from .config import PRECISION_KEYS, ConfigError, ZeroshardConfig, check_config
+from .config_offload import offload_stage_problems
 from .optim.build import state_dtype_problem
 from .optim.muon import muon_param_problems
 from .precision import resolve_precision_plan
@@ -44,6 +45,7 @@ def resolve_config(raw: dict | str | os.PathLike, world_size: int = 1) -> Zerosh
             plan = resolve_precision_plan(cfg)
         except ConfigError as exc:
             problems.extend(exc.problems)
+    problems.extend(offload_stage_problems(cfg.zero_optimization))
     optimizer = cfg.optimizer
     if optimizer is not None and "optimizer" not in tainted:
         if optimizer.type.lower() == "muon":

@@ -7,10 +7,10 @@ module parameters, the scheduler step, and clearing the gradients.
 
 [Note: where masters and optimizer state live]
 The home of the master weights and the optimizer state is decided here, once, from the
-flats' sharding specs (`ShardingSpec.placement`): "device" is the only one today. CPU
-offload attaches here: a "host" placement would keep masters and optimizer state on the
-host, move the reduced gradient there before the step and the updated master back in
-`publish_masters`.
+flats' sharding specs (`ShardingSpec.placement`). With "host" (ZeRO-Offload,
+zeroshard/offload.py) the reduced gradient, cast to the master dtype where it was reduced,
+lands in a host buffer before the unscale and the norm; the optimizer steps the host
+masters and `publish_masters` brings them back in the parameter dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from . import comm, faults
 from .flat import FlatParamGroup
 from .layout import PLACEMENTS, ParallelLayout
 from .loss_scale import LossScaler
+from .offload import HostGradients
 from .publish import publish_masters
 
 _EXACT = 2**24
@@ -82,6 +83,7 @@ class OptimizerStep:
         self.publish_bucket_numel = publish_bucket_numel
         self.device = device
         self.placement = resolve_placement(flats)
+        self.host_grads = HostGradients() if self.placement == "host" else None
         self.optimizer: Any = None
         self.lr_scheduler: Any = None
 
@@ -99,6 +101,8 @@ class OptimizerStep:
             grad = flat.reduced_grad_buffer()
             if grad.dtype != flat.master.dtype:
                 grad = grad.to(flat.master.dtype)
+            if self.host_grads is not None:  # cast on the device first, then move the shard
+                grad = self.host_grads.receive(id(flat), grad, flat.spec.pin_memory)
             if scale != 1.0:
                 grad.mul_(1.0 / scale)
             flat.master.grad = grad
@@ -153,8 +157,9 @@ class OptimizerStep:
         total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
         world = self.layout.world
         size = world.size
-        packed = torch.zeros(1 + 3 * size, dtype=torch.float32, device=total.device)
-        packed[0] = total.to(torch.float32)
+        # On the device even when the partials are on the host (offload): the wire's device.
+        packed = torch.zeros(1 + 3 * size, dtype=torch.float32, device=self.device)
+        packed[0] = total.to(device=self.device, dtype=torch.float32)
         if local_grad_sum is not None:
             packed[1 + world.rank] = (~torch.isfinite(local_grad_sum.to(packed.device))).float()
         # fp32 holds integers exactly below 2**24: counters modulo that still differ when

@@ -225,7 +225,11 @@ def _worker_main(
     try:
         import torch
         import torch.distributed as dist
+        import torch.distributed.nn.functional  # noqa: F401  before the group: see below
 
+        # Imported after the group exists, that module would hold it in its default arguments
+        # and the group's gloo threads would outlive destroy_process_group into interpreter
+        # shutdown (an abort at exit): [Note: process-group lifetime] in zeroshard/distributed.py.
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",

@@ -207,8 +207,6 @@ def test_auto_must_be_resolved_before_initialize(raw, path):
 @pytest.mark.parametrize(
     "raw, path",
     [
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer"),
-        ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param"),
         ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
         ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         ({"amp": {"enabled": True}}, "amp"),
@@ -244,7 +242,7 @@ def test_inert_values_of_unsupported_keys_and_no_effect_knobs_are_accepted_and_l
         "fp16": {"enabled": False, "auto_cast": False},
         "zero_optimization": {
             "stage": 3,
-            "offload_optimizer": {"device": "none"},
+            "offload_optimizer": {"device": "none", "buffer_count": 4},
             "overlap_comm": True,
             "stage3_max_live_parameters": 1e9,
             "sub_group_size": 1e9,
@@ -258,7 +256,7 @@ def test_inert_values_of_unsupported_keys_and_no_effect_knobs_are_accepted_and_l
             "wall_clock_breakdown",
             "prescale_gradients",
             "fp16.auto_cast",
-            "zero_optimization.offload_optimizer",
+            "zero_optimization.offload_optimizer.buffer_count",
             "zero_optimization.overlap_comm",
             "zero_optimization.stage3_max_live_parameters",
             "zero_optimization.sub_group_size",

@@ -105,6 +105,11 @@ def check_scheduler_state(saved: Any, scheduler: Any, where: str) -> dict[str, A
     return saved
 
 
+# Which kernel an optimizer runs (fused, foreach) is this run's choice, not a hyper-parameter to
+# restore: an offloaded engine steps on the host with the fused CPU kernel, another may not.
+KERNEL_KEYS = frozenset({"fused", "foreach"})
+
+
 def check_param_groups(saved: Any, optimizer: Any, path: Path) -> list[dict[str, Any]]:
     """`optimizer.param_groups`: one table per group, hyper-parameters typed like this run's."""
     if not isinstance(saved, list):
@@ -118,6 +123,8 @@ def check_param_groups(saved: Any, optimizer: Any, path: Path) -> list[dict[str,
             raise field_error(path, f"{field}.tuple_keys", tuple_keys, "must be a list of names")
         group = optimizer.param_groups[i] if i < len(optimizer.param_groups) else {}
         for key, value in entry["hyper"].items():
+            if key in KERNEL_KEYS:
+                continue
             current = group.get(key)
             if hasattr(current, "numel") and current.numel() == 1:  # a tensor lr
                 current = current.item()

@@ -27,6 +27,7 @@ import torch
 from ..publish import publish_masters
 from ..ranges import overlap
 from .fields import (
+    KERNEL_KEYS,
     check_param_groups,
     check_scaler_state,
     check_scheduler_state,
@@ -47,6 +48,7 @@ from .format import (
     state_kind,
     validate_tag,
 )
+from .names import flat_names, model_param_shapes
 from .rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
 from .save import module_names
 from .sync import agree, all_gather_object, describe, is_rank_zero
@@ -87,9 +89,7 @@ class _Loaded:
 def _model_differences(engine: Any, index: dict[str, Any]) -> list[str]:
     """Every way the checkpoint's parameters and buffers differ from the model's."""
     module = engine.module
-    model_params = {  # ds_shape: a stage-3 parameter outside a gather is empty
-        name: list(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters(remove_duplicate=False)
-    }
+    model_params = model_param_shapes(module)
     aliases, _, buffer_names = module_names(engine)
     buffers = dict(module.named_buffers(remove_duplicate=False))
     model_buffers = {name: list(buffers[name].shape) for name in buffer_names}
@@ -152,11 +152,12 @@ def _param_source(reader: CheckpointReader, extras: dict[str, torch.Tensor]):
     return read
 
 
-def _assemble(flat: Any, read, kind: str, dtype: torch.dtype) -> torch.Tensor:
-    """The `kind` tensor of `flat` in this engine's master layout, from the saved fragments."""
+def _assemble(flat: Any, names: list[str], read, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """The `kind` tensor of `flat` (its parameters saved under `names`) in this engine's master
+    layout, from the saved fragments."""
     master_start, master_len = flat.master_range()
     out = torch.zeros(master_len, dtype=dtype)
-    for i, name in enumerate(flat.names):
+    for i, name in enumerate(names):
         common = overlap(flat.offsets[i], flat.offsets[i] + flat.numels[i], master_start, master_start + master_len)
         if common is not None:
             lo, hi = common
@@ -164,21 +165,21 @@ def _assemble(flat: Any, read, kind: str, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _flat_optimizer_state(engine: Any, flat: Any, reader: CheckpointReader, read) -> dict[str, Any]:
+def _flat_optimizer_state(engine: Any, flat: Any, names: list[str], reader: CheckpointReader, read) -> dict[str, Any]:
     params = reader.index["params"]
-    entries = [params.get(name) for name in flat.names]
+    entries = [params.get(name) for name in names]
     if any(e is None for e in entries):
-        missing = [n for n, e in zip(flat.names, entries, strict=True) if e is None]
+        missing = [n for n, e in zip(names, entries, strict=True) if e is None]
         raise CheckpointError(
             f"parameters {missing} were frozen when the checkpoint was saved, so they have no optimizer "
             "state: load with load_optimizer_states=False."
         )
     elementwise = entries[0]["optimizer_state"]
     scalars = entries[0]["optimizer_scalars"]
-    for name, entry in zip(flat.names, entries, strict=True):
+    for name, entry in zip(names, entries, strict=True):
         if entry["optimizer_state"] != elementwise or entry["optimizer_scalars"] != scalars:
             raise CheckpointError(
-                f"parameters {flat.names[0]} and {name} share a flat buffer here but had different "
+                f"parameters {names[0]} and {name} share a flat buffer here but had different "
                 "optimizer state kinds when saved; load with load_optimizer_states=False."
             )
     current = engine.optimizer.state.get(flat.master, {})
@@ -186,12 +187,12 @@ def _flat_optimizer_state(engine: Any, flat: Any, reader: CheckpointReader, read
     for key in elementwise:
         # The dtype the optimizer already keeps this state in, else the saved one.
         existing = current.get(key)
-        saved = reader.saved_dtype(flat.names[0], state_kind(key))
+        saved = reader.saved_dtype(names[0], state_kind(key))
         dtype = existing.dtype if isinstance(existing, torch.Tensor) else saved
-        state[key] = _assemble(flat, read, state_kind(key), dtype)
+        state[key] = _assemble(flat, names, read, state_kind(key), dtype)
     if scalars:
         for key, kind in scalars.items():
-            value = reader.read_scalar(flat.names, key)
+            value = reader.read_scalar(names, key)
             if value is None:  # only empty parameters here: any other flat's copy
                 value = reader.read_scalar(list(params), key)
             state[key] = scalar_value(value, kind, str(reader.tag_dir), f"optimizer scalar {key}")
@@ -201,6 +202,12 @@ def _flat_optimizer_state(engine: Any, flat: Any, reader: CheckpointReader, read
 # Optimizer classes that keep the same state under the same names (AdamW's moments kept in
 # another dtype by StateDtypeAdamW): a checkpoint of one loads into the other.
 _OPTIMIZER_FAMILIES = {"StateDtypeAdamW": "AdamW"}
+
+
+def optimizer_class(optimizer: Any) -> str:
+    """The class a checkpoint names for `optimizer`: DeepSpeedCPUAdam keeps Adam's or
+    AdamW's state, as its mode says (zeroshard/ops/adam.py)."""
+    return getattr(optimizer, "checkpoint_class", type(optimizer).__name__)
 
 
 def _optimizer_family(class_name: str) -> str:
@@ -261,7 +268,11 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
             raise CheckpointError(f"checkpoint {tag_dir} does not match the model:\n  " + "\n  ".join(problems))
         extras = reader.extras()
         read = _param_source(reader, extras)
-        masters = [_assemble(flat, read, MASTER_KIND, flat.master.dtype) for flat in engine.flats]
+        saved_names = flat_names(engine)
+        masters = [
+            _assemble(flat, names, read, MASTER_KIND, flat.master.dtype)
+            for flat, names in zip(engine.flats, saved_names, strict=True)
+        ]
         _, frozen_now, buffer_names = module_names(engine)
         _check_extras(engine, extras, buffer_names, reader)
         module_values = {name: extras[name] for name in buffer_names}
@@ -283,12 +294,15 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
                     "load_optimizer_states=False and load_lr_scheduler_states=False."
                 )
             if options.optimizer_states:
-                if _optimizer_family(saved_opt["class"]) != _optimizer_family(type(engine.optimizer).__name__):
+                if _optimizer_family(saved_opt["class"]) != _optimizer_family(optimizer_class(engine.optimizer)):
                     raise CheckpointError(
                         f"checkpoint {tag_dir}: optimizer state of {saved_opt['class']}, this engine uses "
-                        f"{type(engine.optimizer).__name__}; load with load_optimizer_states=False."
+                        f"{optimizer_class(engine.optimizer)}; load with load_optimizer_states=False."
                     )
-                loaded.optimizer_states = [_flat_optimizer_state(engine, f, reader, read) for f in engine.flats]
+                loaded.optimizer_states = [
+                    _flat_optimizer_state(engine, f, names, reader, read)
+                    for f, names in zip(engine.flats, saved_names, strict=True)
+                ]
                 loaded.param_groups = saved_opt["param_groups"]
             elif options.lr_scheduler_states:
                 loaded.param_groups, loaded.lr_only = saved_opt["param_groups"], True
@@ -321,7 +335,9 @@ def _parse_small_fields(engine: Any, reader: CheckpointReader, loaded: _Loaded) 
 def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], lr_only: bool) -> None:
     for group, entry in zip(optimizer.param_groups, saved, strict=True):
         for key, value in entry["hyper"].items():
-            if lr_only and key not in ("lr", "initial_lr"):
+            if (lr_only and key not in ("lr", "initial_lr")) or key in KERNEL_KEYS:
+                continue
+            if key in ("name", "moe"):  # which parameters a group holds, this run's (e.g. ep_size_4)
                 continue
             if key in entry["tuple_keys"]:
                 value = tuple(value)

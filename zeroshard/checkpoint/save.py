@@ -46,6 +46,7 @@ from .format import (
     tmp_tag_dir,
     validate_tag,
 )
+from .names import flat_names, state_dict_keys
 from .rng import capture_rng_state
 from .sync import agree, all_gather_object, describe
 
@@ -133,6 +134,7 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
     tensors: dict[str, torch.Tensor] = {}
     opt_state = engine.optimizer.state if engine.optimizer is not None else {}
     flats_info = []
+    saved_names = flat_names(engine)
     for k, flat in enumerate(engine.flats):
         fid = flat_id(k)
         owned_start, owned_len = flat.shard_start, flat.shard_numel
@@ -169,7 +171,7 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
         # One replica of each shard is indexed (hybrid sharding: the first replica group's);
         # offsets are in the shard group's layout, `rank` names the file that holds them.
         indexed = flat.spec.replicate.rank == 0
-        for i, name in enumerate(flat.names):
+        for i, name in enumerate(saved_names[k]):
             common = overlap(flat.offsets[i], flat.offsets[i] + flat.numels[i], owned_start, owned_start + owned_len)
             if indexed and common is not None:
                 lo, hi = common
@@ -180,9 +182,11 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
                     "tensor": fid,
                     "start": lo - owned_start,
                 }
-        flats_info.append(
-            {"id": fid, "fragments": fragments, "optimizer_state": elementwise, "optimizer_scalars": scalars}
-        )
+        info = {"id": fid, "fragments": fragments, "optimizer_state": elementwise, "optimizer_scalars": scalars}
+        if saved_names[k] != flat.names:
+            # Expert parameters: rank 0 does not hold every expert, so each rank describes its own.
+            info["params"] = _param_entries(flat, saved_names[k], elementwise, scalars)
+        flats_info.append(info)
 
     rng_tensors, rng_metadata = capture_rng_state()
     tensors.update(rng_tensors)
@@ -235,22 +239,32 @@ def _write_extras(engine: Any, tmp: Path, frozen: list[str], buffer_names: list[
     return {"frozen_params": describe_tensors(frozen), "buffers": describe_tensors(buffer_names)}
 
 
+def _param_entries(flat: Any, names: list[str], elementwise: dict, scalars: dict) -> dict[str, Any]:
+    return {
+        name: {
+            "shape": list(flat.shapes[i]),
+            "param_dtype": dtype_to_str(flat.role.param_dtype),
+            "master_dtype": dtype_to_str(flat.master.dtype),
+            "unit": flat.unit_name,
+            "role": flat.role.name,
+            "optimizer_group": flat.optimizer_group,
+            "optimizer_state": elementwise,
+            "optimizer_scalars": scalars,
+            "fragments": [],
+        }
+        for i, name in enumerate(names)
+    }
+
+
 def _params_table(engine: Any, manifests: list[dict[str, Any]]) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    for k, flat in enumerate(engine.flats):
+    for k, (flat, names) in enumerate(zip(engine.flats, flat_names(engine), strict=True)):
         info = manifests[0]["flats"][k]
-        for i, name in enumerate(flat.names):
-            params[name] = {
-                "shape": list(flat.shapes[i]),
-                "param_dtype": dtype_to_str(flat.role.param_dtype),
-                "master_dtype": dtype_to_str(flat.master.dtype),
-                "unit": flat.unit_name,
-                "role": flat.role.name,
-                "optimizer_group": flat.optimizer_group,
-                "optimizer_state": info["optimizer_state"],
-                "optimizer_scalars": info["optimizer_scalars"],
-                "fragments": [],
-            }
+        params.update(_param_entries(flat, names, info["optimizer_state"], info["optimizer_scalars"]))
+    for manifest in manifests:
+        for info in manifest["flats"]:
+            for name, entry in info.get("params", {}).items():
+                params.setdefault(name, entry)
     for manifest in manifests:
         for info in manifest["flats"]:
             for name, fragment in info["fragments"].items():
@@ -316,7 +330,7 @@ def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[st
         "params": _params_table(engine, manifests),
         "aliases": aliases,
         **extras,
-        "state_dict_keys": list(engine.module.state_dict(keep_vars=True).keys()),
+        "state_dict_keys": state_dict_keys(engine.module),
         "flats": _flats_table(engine),
         "counters": {
             "global_steps": engine.global_steps,
@@ -325,7 +339,10 @@ def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[st
         },
         "optimizer": None
         if optimizer is None
-        else {"class": type(optimizer).__name__, "param_groups": param_groups_state(optimizer)},
+        else {
+            "class": getattr(optimizer, "checkpoint_class", type(optimizer).__name__),  # load.optimizer_class
+            "param_groups": param_groups_state(optimizer),
+        },
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": scheduler_entry,
         "data_sampler": _sampler_state(engine),

@@ -16,7 +16,7 @@ import torch
 
 import zeroshard
 from zeroshard.demo.model import PRESETS
-from zeroshard.demo.train import DEFAULT_MODEL, DEFAULT_STEPS, RunDirMismatch, check_run_dir
+from zeroshard.demo.train import DEFAULT_MODEL, DEFAULT_STEPS, RunDirMismatch, add_moe_arguments, check_run_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate at the end")
     parser.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint every N steps")
+    add_moe_arguments(parser)
     return parser
 
 
@@ -79,6 +80,9 @@ def torchrun_command(args: argparse.Namespace, nproc: int, run_dir: Path) -> lis
     ]  # fmt: skip
     if args.config:
         command += ["--config", str(Path(args.config).resolve())]
+    if args.moe_experts:
+        command += ["--moe-experts", str(args.moe_experts), "--moe-ep-size", str(args.moe_ep_size)]
+        command += ["--moe-k", str(args.moe_k)]
     return command
 
 

@@ -30,6 +30,14 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     """Biases in Linear and LayerNorm layers, as in GPT-2."""
+    moe_num_experts: int = 0
+    """0: a dense MLP per block. N > 0: each block's MLP becomes a Mixture of Experts of N
+    MLPs (zeroshard.moe.layer.MoE, DeepSpeed's layer), spread over `moe_ep_size` ranks."""
+    moe_ep_size: int = 1
+    moe_k: int = 1
+    """Experts per token."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss added to the cross-entropy."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -40,6 +48,8 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1.")
+        if self.moe_num_experts < 0:
+            raise ValueError(f"moe_num_experts={self.moe_num_experts}: must be 0 (dense) or a number of experts.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout}: must be in [0, 1).")
 
@@ -100,12 +110,22 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MLP(config)
+        self.aux_loss: torch.Tensor | None = None  # the MoE layer's load-balancing loss, last forward
+        if config.moe_num_experts:
+            from zeroshard.moe.layer import MoE
+
+            self.mlp = MoE(
+                config.n_embd, self.mlp, num_experts=config.moe_num_experts, ep_size=config.moe_ep_size,
+                k=config.moe_k,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        out = self.mlp(self.ln_2(x))
+        if isinstance(out, tuple):  # MoE: (output, l_aux, exp_counts)
+            out, self.aux_loss, _ = out
+        return x + out
 
 
 def split_batch(
@@ -189,6 +209,8 @@ class GPT(nn.Module):
         # The loss is taken in fp32 even when the model computes in bf16/fp16: the log-softmax
         # over 256 classes is cheap and its rounding would otherwise show in the loss curve.
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        if self.config.moe_num_experts:
+            loss = loss + self.config.moe_aux_loss_coef * sum(b.aux_loss.float() for b in self.blocks)
         return logits, loss
 
     @torch.no_grad()

@@ -76,10 +76,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-windows", type=int, default=128, help="validation windows per evaluation")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
     parser.add_argument("--corpus-bytes", type=int, default=DEFAULT_MAX_BYTES, help="corpus size cap")
+    add_moe_arguments(parser)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps}: must be at least 1")
     return args
+
+
+def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The MoE options (each block's MLP becomes an MoE layer; see GPTConfig.moe_*)."""
+    parser.add_argument("--moe-experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
+    parser.add_argument("--moe-ep-size", type=int, default=1, help="ranks the experts are spread over")
+    parser.add_argument("--moe-k", type=int, default=1, help="experts per token")
+
+
+def moe_overrides(args: argparse.Namespace) -> dict:
+    if not args.moe_experts:
+        return {}
+    return {"moe_num_experts": args.moe_experts, "moe_ep_size": args.moe_ep_size, "moe_k": args.moe_k}
 
 
 class RunDirMismatch(ValueError):
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Same seed on every rank: every rank builds the same initial weights.
     torch.manual_seed(args.seed)
-    model = build_gpt(args.model)
+    model = build_gpt(args.model, **moe_overrides(args))
     train_data, val_data = build_datasets(model.config.block_size, args.corpus_bytes)
     config = args.config or default_config(args.steps, torch.cuda.is_available())
     engine, optimizer, loader, scheduler = zeroshard.initialize(

@@ -1,0 +1,1 @@
+"""DeepSpeed's ``deepspeed.ops`` names that zeroshard provides (``zeroshard.ops.adam``)."""
