@@ -48,6 +48,7 @@ def initialize(
         (engine, optimizer, training_dataloader, lr_scheduler); the dataloader is None
         without `training_data`, the scheduler None when neither given nor configured.
     """
+    from .config import requested_collective_timeout_s
     from .config_error import DeepSpeedConfigError
     from .engine import Engine
     from .layout import ParallelLayout
@@ -69,11 +70,13 @@ def initialize(
             "no config: pass config= (a dict or a JSON file path) or args with --deepspeed_config."
         )
     if dist_init_required is not False:
-        init_distributed()
+        # Before the config is resolved (the batch triangle needs the world size): the
+        # timeout is read from the raw config here and validated with the rest below.
+        init_distributed(timeout=requested_collective_timeout_s(raw))
     mpu_sp = None if mpu is None else mpu.get_sequence_parallel_world_size()
     cfg = resolve_config(raw, world_size=comm.world_size(), sequence_parallel_size=mpu_sp)
     sequence_parallel = _sequence_parallel_groups(mpu, cfg.sequence_parallel_size)
-    layout = ParallelLayout.build(cfg.zeroshard.shard_group_size)
+    layout = ParallelLayout.build(cfg.zeroshard.shard_group_size, cfg.zeroshard.collective_timeout_s)
     if sequence_parallel is not None:
         layout = layout.with_sequence_parallel(*sequence_parallel)
     engine = Engine(

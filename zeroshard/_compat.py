@@ -38,3 +38,11 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=dist.Red
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's `input` into `output` (world size x len(input) elements, flat)."""
     return _collective("all_gather_single")(output, input, group=group, async_op=async_op)
+
+
+def set_group_timeout(handle, timeout) -> None:
+    """Change an existing process group's collective timeout (torch's private
+    `_set_pg_timeout`, present since torch 2.2); without it the group keeps its own."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, handle)

@@ -6,6 +6,10 @@ they ran on. Each takes its `Group` explicitly (zeroshard/layout.py decides whic
 reaches the default process group implicitly. On a group of one rank (a world of 1, or a
 layout without replication) the collectives are the identity and nothing is recorded: no
 bytes cross a wire.
+
+A collective that fails or times out (`set_timeout`, zeroshard.collective_timeout_s) raises
+`zeroshard.faults.CollectiveError` naming the collective, its group, and the step and unit it
+belonged to (zeroshard/faults.py's note), on the blocking call or on the handle's `wait()`.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import _compat, faults
 
 __all__ = [
     "Group",
@@ -40,7 +45,59 @@ __all__ = [
     "world_size",
     "rank",
     "backend_name",
+    "set_timeout",
 ]
+
+_timeout_s: float | None = None  # what set_timeout last applied (named in errors)
+
+
+def set_timeout(group: Group, seconds: float) -> None:
+    """Make `seconds` the timeout of `group`'s collectives (a group this process already has)."""
+    global _timeout_s
+    _timeout_s = seconds
+    if group.handle is not None:
+        _compat.set_group_timeout(group.handle, timedelta(seconds=seconds))
+
+
+def _failure(what: str, exc: BaseException) -> faults.CollectiveError:
+    limit = f"zeroshard.collective_timeout_s={_timeout_s:g}" if _timeout_s is not None else "the group's timeout"
+    return faults.CollectiveError(
+        f"{what} did not complete: {type(exc).__name__}: {exc}. A peer rank stopped, died or is running "
+        f"other collectives ({limit} elapsed, or its connection closed); every rank must make the same "
+        "engine calls in the same order."
+    )
+
+
+def _describe(op: str, tag: str, group: Group) -> str:
+    return f"{op} '{tag}' over ranks {list(group.ranks)} at {faults.where.describe()}"
+
+
+class _Pending:
+    """A collective's handle whose `wait()` names the collective if it fails."""
+
+    def __init__(self, work, what: str, then=None) -> None:
+        self._work, self._what, self._then = work, what, then
+
+    def wait(self) -> bool:
+        try:
+            self._work.wait()
+        except Exception as exc:
+            raise _failure(self._what, exc) from exc
+        if self._then is not None:
+            self._then()
+        return True
+
+
+def _call(what: str, fn, *args, then=None, **kwargs):
+    """Issue a collective; an asynchronous one comes back as a `_Pending` (whose `wait()`
+    then runs `then`)."""
+    try:
+        work = fn(*args, **kwargs)
+    except Exception as exc:
+        raise _failure(what, exc) from exc
+    if kwargs.get("async_op"):
+        return _Pending(work, what, then)
+    return work
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,12 +158,14 @@ def self_group(world: Group) -> Group:
     return Group((world.ranks[world.rank],), 0, None)
 
 
-def new_group(members: tuple[int, ...], world: Group) -> Group:
-    """A group of `members` (global ranks). Collective over `world` when it has more than one
-    member: every rank must create every group, in the same order (torch's rule)."""
+def new_group(members: tuple[int, ...], world: Group, timeout_s: float | None = None) -> Group:
+    """A group of `members` (global ranks) whose collectives time out after `timeout_s`
+    (torch's default when None). Collective over `world` when it has more than one member:
+    every rank must create every group, in the same order (torch's rule)."""
     members = tuple(members)
     mine = world.ranks[world.rank]
-    handle = dist.new_group(list(members)) if len(members) > 1 else None
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    handle = dist.new_group(list(members), timeout=timeout) if len(members) > 1 else None
     return Group(members, members.index(mine) if mine in members else -1, _weak(handle))
 
 
@@ -214,20 +273,9 @@ def all_reduce(
     if _check(group).size == 1:
         return None if async_op else tensor
     _record("all_reduce", tensor, tensor.numel(), tag, group)
-    work = dist.all_reduce(tensor, op=op, group=group.handle, async_op=async_op)
+    what = _describe("all_reduce", tag, group)
+    work = _call(what, dist.all_reduce, tensor, op=op, group=group.handle, async_op=async_op)
     return work if async_op else tensor
-
-
-class _CopyAfterWait:
-    """A collective's handle whose `wait()` also copies its result where the caller wants it."""
-
-    def __init__(self, work, source: torch.Tensor, target: torch.Tensor) -> None:
-        self._work, self._source, self._target = work, source, target
-
-    def wait(self) -> bool:
-        self._work.wait()
-        self._target.copy_(self._source)
-        return True
 
 
 def _reduce_scatter_runs_as_all_reduce(group: Group) -> bool:
@@ -256,14 +304,18 @@ def reduce_scatter(
         _record("reduce_scatter", input, input.numel(), tag, group, via="all_reduce")
         flat_input = input.view(-1)
         mine = flat_input.view(ws, -1)[group.rank]
-        work = dist.all_reduce(flat_input, group=group.handle, async_op=True)
-        handle = _CopyAfterWait(work, mine, output)
+        what = _describe("reduce_scatter", tag, group)
+        # The handle's wait() also copies this rank's chunk where the caller wants it.
+        handle = _call(
+            what, dist.all_reduce, flat_input, group=group.handle, async_op=True, then=lambda: output.copy_(mine)
+        )
         if async_op:
             return handle
         handle.wait()
         return output
     _record("reduce_scatter", input, input.numel(), tag, group)
-    work = _compat.reduce_scatter_single(output, input.view(-1), group=group.handle, async_op=async_op)
+    what = _describe("reduce_scatter", tag, group)
+    work = _call(what, _compat.reduce_scatter_single, output, input.view(-1), group=group.handle, async_op=async_op)
     return work if async_op else output
 
 
@@ -281,7 +333,9 @@ def all_gather(
         return None if async_op else output
     assert output.numel() == input.numel() * ws, "all_gather sizes disagree"
     _record("all_gather", input, output.numel(), tag, group)
-    work = _compat.all_gather_single(output.view(-1), input.view(-1), group=group.handle, async_op=async_op)
+    what = _describe("all_gather", tag, group)
+    work = _call(what, _compat.all_gather_single, output.view(-1), input.view(-1), group=group.handle,
+                 async_op=async_op)
     return work if async_op else output
 
 
@@ -290,7 +344,7 @@ def broadcast(tensor: torch.Tensor, *, group: Group, src: int, tag: str = "") ->
     if _check(group).size == 1:
         return tensor
     _record("broadcast", tensor, tensor.numel(), tag, group)
-    dist.broadcast(tensor, src=src, group=group.handle)
+    _call(_describe("broadcast", tag, group), dist.broadcast, tensor, src=src, group=group.handle)
     return tensor
 
 
@@ -300,7 +354,7 @@ def all_gather_object(obj: object, *, group: Group) -> list[object]:
     if _check(group).size == 1:
         return [obj]
     out: list[object] = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.handle)
+    _call(_describe("all_gather_object", "control", group), dist.all_gather_object, out, obj, group=group.handle)
     return out
 
 

@@ -60,6 +60,7 @@ from .config_sections import (
     _validate_dtype_name,
     canonical_dtype_name,
 )
+from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 __all__ = [
     "BF16Config",
@@ -79,6 +80,7 @@ __all__ = [
     "canonical_dtype_name",
     "check_config",
     "load_config",
+    "requested_collective_timeout_s",
 ]
 
 
@@ -91,11 +93,20 @@ class ZeroshardExtras(_Section):
         unit_min_params: units smaller than this merge into the root unit.
         shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks
             and replicate across them (zeroshard/layout.py); None = shard over every rank.
+        skip_nonfinite_steps: skip an optimizer step whose global gradient norm is not finite
+            (parameters, optimizer state and scheduler untouched, counted in skipped_steps) in
+            fp32 and torch_autocast modes; false keeps DeepSpeed's behaviour there (the step
+            runs and the weights become NaN). bf16 mode reads bf16.check_grad_overflow too;
+            fp16 always checks (its loss scale needs it).
+        collective_timeout_s: seconds a collective may wait for its peers before every
+            waiting rank raises CollectiveError naming it (the process groups' timeout).
     """
 
     unit_module_classes: list[str] | None = None
     unit_min_params: JsonInt = Field(0, ge=0)
     shard_group_size: JsonInt | None = Field(None, ge=1)
+    skip_nonfinite_steps: bool = True
+    collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
 
 
 class ZeroshardConfig(_Section):
@@ -491,6 +502,19 @@ def _read_raw(raw: dict | str | os.PathLike) -> dict[str, Any]:
 
 # Top-level keys whose problems make the precision plan meaningless to resolve.
 PRECISION_KEYS = frozenset({"fp16", "bf16", "bfloat16", "torch_autocast", "data_types", "communication_data_type"})
+
+
+def requested_collective_timeout_s(raw: dict | str | os.PathLike) -> float | None:
+    """``zeroshard.collective_timeout_s`` from a raw config when it is a positive number, else
+    None (the default applies; a bad value is reported by ``check_config`` like any other)."""
+    try:
+        data = raw if isinstance(raw, dict) else read_config_file(Path(raw))
+        value = data.get("zeroshard", {}).get("collective_timeout_s")
+    except (ConfigError, AttributeError):
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
 
 
 def check_config(

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .device import binds_device_id, cuda_device_index, uses_nccl
+from .faults import DEFAULT_COLLECTIVE_TIMEOUT_S
 from .launchers import discover_launch, export_launch
 
 if dist.is_available() and not dist.is_initialized():
@@ -52,8 +53,12 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def init_distributed(dist_backend: str | None = None, timeout: timedelta | None = None) -> None:
+def init_distributed(dist_backend: str | None = None, timeout: timedelta | float | None = None) -> None:
     """Create the default process group from torchrun's environment, once.
+
+    `timeout` (a timedelta or seconds) is how long a collective waits for its peers before it
+    fails with an error; None is zeroshard.collective_timeout_s's default, 10 minutes
+    (`initialize` passes the config's value), not torch's 30.
 
     NCCL when a GPU is present, gloo otherwise. Under srun, mpirun or another PMI launcher
     without torchrun's variables, the launcher's are mapped to them first (see
@@ -67,7 +72,11 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
         return
     export_launch(launch)
     backend = dist_backend or default_backend()
-    kwargs: dict = {"timeout": timeout} if timeout is not None else {}
+    if timeout is None:
+        timeout = DEFAULT_COLLECTIVE_TIMEOUT_S
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    kwargs: dict = {"timeout": timeout}
     if uses_nccl(backend):
         index = cuda_device_index(launch.world_size)
         torch.cuda.set_device(index)

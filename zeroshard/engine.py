@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import comm
+from . import comm, faults
 from .autocast import forward_context
 from .config import ZeroshardConfig
 from .device import select_device
@@ -96,7 +96,9 @@ class Engine(EngineAPI):
         self.config = config
         self.precision_plan = plan
         self.policy = stage_policy(config.zero_optimization.stage)
-        layout = layout if layout is not None else ParallelLayout.build(config.zeroshard.shard_group_size)
+        layout = layout if layout is not None else ParallelLayout.build(
+            config.zeroshard.shard_group_size, config.zeroshard.collective_timeout_s
+        )
         self.offload = OffloadPlan.from_config(config.zero_optimization)
         self.layout = place_layout(layout, self.offload)  # where each role lives (offload.py)
         self.world_size = self.layout.world_size
@@ -304,6 +306,7 @@ class Engine(EngineAPI):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module under the precision policy (autocast, input casts)."""
+        faults.where.step = self.global_steps
         param_dtype = next(iter(self.precision_plan.groups.values())).param_dtype
         if self.precision_plan.mode in ("bf16", "fp16"):
 
@@ -329,6 +332,7 @@ class Engine(EngineAPI):
         does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
         """
         accumulation = self.config.gradient_accumulation_steps
+        faults.where.step = self.global_steps
         before = self._grads.backward_count
         (loss if scale_wrt_gas or accumulation == 1 else loss * accumulation).backward(
             retain_graph=retain_graph, **kwargs
@@ -386,15 +390,18 @@ class Engine(EngineAPI):
                         "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
                     )
                 self._grads.flush()
-                result = self._step.run()  # applies .grad changed in place through the views
+                faults.where.step = self.global_steps
+                position = (self.global_steps, self._grads.training_forwards)
+                self._grads.training_forwards = 0
+                # Applies .grad changed in place through the views (stage 0, grad_views.py).
+                result = self._step.run(self._grads.reducer.take_local_sum(), position)
                 self._grads.views.clear()
                 self._global_grad_norm = result.norm_tensor
                 self._post_clip_grad_norm = result.post_clip_tensor
                 if result.overflow:
                     self.skipped_steps += 1
-                    logger.info(
-                        "step %d: non-finite gradient, step skipped (scale %s)", self.global_steps, result.scale
-                    )
+                if not result.finite:
+                    self._log_nonfinite(result)
                 self._step_applied = not result.overflow
                 self._log_step(result)
                 self.global_steps += 1
@@ -403,6 +410,20 @@ class Engine(EngineAPI):
             self._in_step = False
             self._coalesced = False
         self.micro_steps += 1
+
+    def _log_nonfinite(self, result: StepResult) -> None:
+        ranks = ", ".join(map(str, result.nonfinite_ranks)) or "none (finite gradients whose squares overflowed)"
+        if result.overflow:
+            what = f"step skipped (skipped_steps {self.skipped_steps})"
+        else:
+            what = f"step taken anyway: {self.precision_plan.overflow_keys} is false"
+        # fp16's dynamic loss scale overflows by design while it searches: not a warning there.
+        searching = self.precision_plan.loss_scale.kind in ("dynamic", "grad_scaler")
+        level = logging.INFO if searching else logging.WARNING
+        logger.log(
+            level, "step %d: non-finite gradient norm %s from rank(s) %s; %s (loss scale %s)",
+            self.global_steps, result.norm, ranks, what, result.scale,
+        )
 
     def _log_step(self, result: StepResult) -> None:
         steps_per_print = self.config.steps_per_print

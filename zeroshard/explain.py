@@ -281,7 +281,8 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
         scale_text += f" ({scale['init_scale']:g})"
     table.add_row("loss scaling", *([scale_text] * len(groups)))
     console.print(table)
-    console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']}")
+    keys = precision.get("overflow_keys") or "always with fp16 loss scaling"
+    console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']} ({keys})")
     console.print(f"floating buffers: {precision.get('buffers', 'own dtype')} (data_types.buffer_dtype)")
     place = data["placement"]
     console.print(

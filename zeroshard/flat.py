@@ -133,6 +133,20 @@ class FlatParamGroup:
     def _attach_views(self) -> None:
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=False):
             p.data = self.full.narrow(0, off, n).view(shape)
+            p.ds_shape, p.ds_numel = shape, n  # the full shape, also while freed (DeepSpeed's names)
+
+    def _detach_views(self) -> None:
+        """[Note: a freed parameter is visibly empty]
+        Outside a gather a stage-3 parameter holds a 0-element tensor (numel 0, as DeepSpeed
+        and FSDP1 do): `p.sum()`, `p.clone()` and `copy.deepcopy` give empty results and ops
+        that need the values raise a Python error. A full-shaped view over the freed 0-byte
+        storage would crash the process instead. `full` keeps its storage (resized to 0, then
+        regrown by the next gather), so tensors autograd saved as views of it stay valid;
+        `ds_shape` keeps the full shape. Read the values inside
+        zeroshard.zero.GatheredParameters."""
+        empty = self.full.new_empty(0)
+        for p in self.params:
+            p.data = empty
 
     # ----------------------------------------------------------------- master
     @property
@@ -176,6 +190,7 @@ class FlatParamGroup:
         if self.state is ShardState.SHARDED:
             return
         self.full.untyped_storage().resize_(0)
+        self._detach_views()
         self.state = ShardState.SHARDED
 
     def start_gather(self, tag: str = "param", exact: bool = False) -> None:
@@ -199,6 +214,7 @@ class FlatParamGroup:
             return
         pending, self._pending_gather = self._pending_gather, None
         pending.wait()
+        self._attach_views()
         self.state = ShardState.UNSHARDED
 
     def gather_full(self, tag: str = "param", exact: bool = False) -> None:

@@ -68,6 +68,34 @@ class _BackwardEntry(torch.autograd.Function):
         return None, ctx.on_grad(grad)
 
 
+def _inert(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _make_inert() -> Callable[..., None]:
+    return _inert
+
+
+class EngineHook:
+    """A module hook of this engine's. A deep copy (the EMA pattern) or a pickle of the module
+    gets an inert hook instead: the engine (its process groups) cannot be copied, and its
+    schedule must not run for another module."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return _inert
+
+    def __reduce__(self):
+        return _make_inert, ()
+
+
 def wrap_outputs(output: Any, on_grad: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Pass every floating tensor of `output` that requires grad through `_BackwardEntry`."""
 
@@ -114,10 +142,13 @@ class GradientPath:
         self.callback_queued = False
         self.backward_count = 0  # epilogues run so far
         self.needs_flush = False  # local gradients a backward left unreduced
+        # Outermost training forwards (grad enabled, train mode) since the last optimizer
+        # step: every rank must run as many (checked with the step's norm, step.py).
+        self.training_forwards = 0
         self._next_in_order = 0
         self._handles: list[Any] = [
-            root.register_forward_pre_hook(self._root_pre, prepend=True),
-            root.register_forward_hook(self._root_post, always_call=True),
+            root.register_forward_pre_hook(EngineHook(self._root_pre), prepend=True),
+            root.register_forward_hook(EngineHook(self._root_post), always_call=True),
         ]
         for unit in units:
             for flat in unit.flats:
@@ -134,6 +165,8 @@ class GradientPath:
         if self.views is not None:
             self.views.clear()  # no later backward may accumulate into the reduced buffer
         self.forward_depth += 1
+        if self.forward_depth == 1 and not self.in_backward and module.training and torch.is_grad_enabled():
+            self.training_forwards += 1
         if self.params is not None:
             self.params.root_pre_forward(outermost=self.forward_depth == 1)
 
@@ -274,3 +307,4 @@ class GradientPath:
                 flat.drop_grads()
             unit.has_local_grad = False
         self.needs_flush = False
+        self.reducer.take_local_sum()  # dropped gradients name no rank

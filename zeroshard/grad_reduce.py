@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm
+from . import comm, faults
 from .flat import FlatParamGroup
 from .layout import ShardingSpec
 
@@ -127,6 +127,9 @@ class GradientReducer:
         self._added_cols: dict[tuple, int] = {}
         self._open: dict[tuple, _Bucket] = {}  # the bucket being filled, per key
         self._issued: list[_Bucket] = []  # collectives in flight, in issue order (at most one)
+        # The sum of this rank's own gradients since the last step: only whether it is
+        # finite is used, to name the rank a non-finite gradient came from (step.py).
+        self._local_sum: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- layout
     @staticmethod
@@ -145,6 +148,10 @@ class GradientReducer:
     # ------------------------------------------------------------------- add
     def add(self, flat: FlatParamGroup) -> None:
         """Queue `flat`'s local gradient (zeros if it has none) for reduction."""
+        with faults.in_unit(flat.unit_name):
+            self._add(flat)
+
+    def _add(self, flat: FlatParamGroup) -> None:
         key = self._key(flat)
         rows, cols = flat.shard_size, self._cols(flat)
         acc_dtype, wire_dtype = flat.role.grad_accum_dtype, flat.role.reduce_dtype
@@ -154,6 +161,7 @@ class GradientReducer:
         # earlier piece of this very flat, whose result then lands in it; it only writes
         # columns already staged. Otherwise (stages 2-3) the local buffer is freed below.
         local, in_place = flat.begin_reduction()
+        self._note_local(local)
         matrix = local.view(rows, cols)
         divisor = self._divisor()
         if self._reduce_directly(key, flat, in_place, wire_dtype == acc_dtype):
@@ -191,6 +199,17 @@ class GradientReducer:
         """Whether `flat`'s local gradient can be the collective's input itself (the note above)."""
         safe = in_place or flat.policy.reduce_every_backward
         return safe and same_dtype and key not in self._open and flat.padded_numel >= self.bucket_numel
+
+    def _note_local(self, local: torch.Tensor) -> None:
+        # NaN and inf survive a sum (inf + -inf is NaN), so one fp32 sum per flat tells
+        # whether this rank's own gradient was finite; it stays on the device (no sync).
+        total = torch.sum(local, dtype=torch.float32)
+        self._local_sum = total if self._local_sum is None else self._local_sum + total
+
+    def take_local_sum(self) -> torch.Tensor | None:
+        """The sum of the local gradients reduced since the last call (None if none)."""
+        total, self._local_sum = self._local_sum, None
+        return total
 
     def _new_bucket(self, key: tuple, rows: int, wire_dtype: torch.dtype) -> _Bucket:
         remaining = self._total_cols[key] - self._added_cols.get(key, 0)

@@ -70,7 +70,9 @@ class ShardingSpec:
         return self.replicate.size
 
 
-def partition(world: Group, size: int, handles: dict[tuple[int, ...], Any] | None = None) -> tuple[Group, Group]:
+def partition(
+    world: Group, size: int, handles: dict[tuple[int, ...], Any] | None = None, timeout_s: float | None = None
+) -> tuple[Group, Group]:
     """This rank's two groups when the world is cut into blocks of `size` consecutive ranks:
     (the consecutive block, the strided group of ranks at the same position in every block).
 
@@ -86,7 +88,7 @@ def partition(world: Group, size: int, handles: dict[tuple[int, ...], Any] | Non
     consecutive = strided = None
     for family in (blocks, strides):
         for members in family:
-            group = comm.new_group(members, world)
+            group = comm.new_group(members, world, timeout_s)
             if mine in members:
                 if family is blocks:
                     consecutive = group
@@ -143,9 +145,14 @@ class ParallelLayout:
         return self.world.rank
 
     @classmethod
-    def build(cls, shard_group_size: int | None = None) -> ParallelLayout:
-        """The layout of this process's world; collective when `shard_group_size` splits it."""
+    def build(cls, shard_group_size: int | None = None, timeout_s: float | None = None) -> ParallelLayout:
+        """The layout of this process's world; collective when `shard_group_size` splits it.
+
+        `timeout_s` (zeroshard.collective_timeout_s) becomes the timeout of every group the
+        layout uses, the world's included, so a frozen or dead peer is an error after it."""
         world = comm.world_group()
+        if timeout_s is not None:
+            comm.set_timeout(world, timeout_s)
         size = world.size if not shard_group_size else shard_group_size
         if size < 1 or world.size % size:
             raise ValueError(
@@ -156,7 +163,7 @@ class ParallelLayout:
         if size == world.size:
             shard, replicate = world, comm.self_group(world)
         else:
-            shard, replicate = partition(world, size)
+            shard, replicate = partition(world, size, timeout_s=timeout_s)
         return cls(world, ShardingSpec(shard, replicate, world))
 
     def expert(self, edp: Group) -> ShardingSpec:

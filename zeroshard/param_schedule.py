@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .grad_path import wrap_outputs
+from .grad_path import EngineHook, wrap_outputs
 from .unit import Unit
 
 
@@ -73,9 +73,19 @@ class ParamSchedule:
         self._forward_order: list[Unit] = []  # the last complete forward's order
         self._position: dict[int, int] = {}
         self._handles: list[Any] = []
+        self._running: set[int] = set()  # ids of the units whose own module's forward is running
         for unit in units[1:]:
-            self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre(unit)))
-            self._handles.append(unit.module.register_forward_hook(self._unit_post(unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(EngineHook(self._unit_pre(unit))))
+            self._handles.append(unit.module.register_forward_hook(EngineHook(self._unit_post(unit)), always_call=True))
+            for module in unit.module.modules():
+                if module is not unit.module and module._parameters:
+                    self._handles.append(module.register_forward_pre_hook(EngineHook(self._part_pre(unit))))
+                    self._handles.append(module.register_forward_hook(EngineHook(self._part_post(unit))))
+        for unit in units:
+            within = {id(m) for m in unit.module.modules()}
+            covered = [u for u in units if id(u.module) in within]  # the root's: every unit
+            refuse = EngineHook(self._refuse_sharded_state_dict(covered))
+            self._handles.append(unit.module.register_state_dict_pre_hook(refuse))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -112,6 +122,7 @@ class ParamSchedule:
     # ------------------------------------------------------------ other units
     def _unit_pre(self, unit: Unit):
         def pre(module, args):
+            self._running.add(id(unit))
             unit.gather()
             if self._in_backward():
                 self._prefetch(unit, -1)  # a checkpoint's recomputation: backward order
@@ -137,6 +148,7 @@ class ParamSchedule:
 
     def _unit_post(self, unit: Unit):
         def post(module, args, output):
+            self._running.discard(id(unit))
             # During a backward the forward is a checkpoint's recomputation: the backward
             # that follows needs the parameters, so they are freed after it instead.
             if not self._in_backward():
@@ -147,6 +159,53 @@ class ParamSchedule:
                 self._prefetch(unit, -1)
                 return grad
 
+            return wrap_outputs(output, on_grad)
+
+        return post
+
+    @staticmethod
+    def _refuse_sharded_state_dict(covered: list[Unit]):
+        """`state_dict()` of a module whose units are freed would hold empty tensors (a file
+        of them cannot be loaded back): refuse, saying how to get the full values.
+        keep_vars=True (the parameters themselves, e.g. to list the keys) is allowed."""
+
+        def hook(module, prefix, keep_vars) -> None:
+            if keep_vars:
+                return
+            sharded = [u.name for u in covered if not u.gathered]
+            if not sharded:
+                return
+            raise RuntimeError(
+                f"state_dict() at ZeRO stage 3: the parameters of unit(s) {sharded[:3]} are sharded "
+                "(empty outside a gather), so it would hold empty tensors. Save with "
+                "engine.save_16bit_model(dir) or engine.save_checkpoint(dir), or call it inside "
+                "`with zeroshard.zero.GatheredParameters(engine.module.parameters()):` on every rank "
+                "(a collective) and clone what you keep."
+            )
+
+        return hook
+
+    # [Note: a unit's submodules called on their own]
+    # A model may call a unit's submodules without calling the unit (a ModuleList of
+    # ModuleDicts whose forward calls block["norm"], or block.fc(x) from the root). Every
+    # submodule owning parameters gathers its unit when it runs outside the unit's own
+    # forward; the unit then stays gathered until the root forward ends (free_all), and the
+    # submodule's outputs gather it again when the gradient reaches them in backward.
+    def _part_pre(self, unit: Unit):
+        def pre(module, args):
+            if id(unit) not in self._running:
+                unit.gather()
+
+        return pre
+
+    def _part_post(self, unit: Unit):
+        def on_grad(grad):
+            unit.gather()
+            return grad
+
+        def post(module, args, output):
+            if id(unit) in self._running:
+                return None
             return wrap_outputs(output, on_grad)
 
         return post
@@ -167,3 +226,4 @@ class ParamSchedule:
             budget -= nxt.numel
             nxt.start_gather()
             j += direction
+

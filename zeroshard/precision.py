@@ -67,6 +67,9 @@ GROUP_SAFE = "lower_precision_safe"
 GROUP_OTHER = "other"
 
 
+_SKIP_KEY = "zeroshard.skip_nonfinite_steps"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Short name of a floating dtype: "fp32", "bf16" or "fp16"."""
     return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
@@ -138,6 +141,8 @@ class PrecisionPlan:
         groups: "all", or "lower_precision_safe" and "other" in torch_autocast mode.
         loss_scale: loss-scaling settings.
         check_grad_overflow: whether a step with a non-finite gradient is skipped.
+        overflow_keys: the config key(s) that turn `check_grad_overflow` off ("" when
+            nothing can: fp16's loss scaling needs the check).
         notes: deliberate choices worth telling the user (printed by explain).
         lossy: the lossy choices the config makes (narrower accumulation or wire dtype), one
             sentence each naming the key (explain marks them; initialize warns once).
@@ -152,6 +157,7 @@ class PrecisionPlan:
     groups: dict[str, RolePlan]
     loss_scale: LossScaleSettings
     check_grad_overflow: bool
+    overflow_keys: str = ""
     notes: list[str] = field(default_factory=list)
     lossy: list[str] = field(default_factory=list)
     buffer_dtype: torch.dtype | None = None
@@ -180,6 +186,7 @@ class PrecisionPlan:
                 "consecutive_hysteresis": self.loss_scale.consecutive_hysteresis,
             },
             "check_grad_overflow": self.check_grad_overflow,
+            "overflow_keys": self.overflow_keys,
             "notes": list(self.notes),
             "lossy": list(self.lossy),
             "buffers": dtype_name(self.buffer_dtype) if self.buffer_dtype else "own dtype",
@@ -326,12 +333,17 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
 
     notes: list[str] = []
     fp32 = torch.float32
+    # A non-finite global norm skips the step in every mode unless the user turns it off;
+    # fp16's loss scaling cannot work without the check, so nothing turns it off there.
+    skip_nonfinite = config.zeroshard.skip_nonfinite_steps
+    overflow_keys = ""
     if mode == "fp32":
         accum = _torch_dtype(accum_name) if accum_name else fp32
         reduce = _TORCH_DTYPES[wire] if wire is not None else accum
         groups = {GROUP_ALL: RolePlan(GROUP_ALL, fp32, "fp32", fp32, accum, reduce, fp32, fp32, fp32, True)}
         loss_scale = LossScaleSettings(kind="none")
-        check_overflow = False
+        check_overflow = skip_nonfinite
+        overflow_keys = _SKIP_KEY
     elif mode in ("bf16", "fp16"):
         low = _TORCH_DTYPES[mode]
         low_masters = mode == "bf16" and config.bf16.bf16_master_weights_and_grads
@@ -372,7 +384,8 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
             check_overflow = True
         else:
             loss_scale = LossScaleSettings(kind="none")
-            check_overflow = config.bf16.check_grad_overflow
+            check_overflow = config.bf16.check_grad_overflow and skip_nonfinite
+            overflow_keys = f"bf16.check_grad_overflow, {_SKIP_KEY}"
     else:
         assert autocast_dtype is not None
         low_name = dtype_name(autocast_dtype)
@@ -396,7 +409,8 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
             check_overflow = True
         else:
             loss_scale = LossScaleSettings(kind="none")
-            check_overflow = False
+            check_overflow = skip_nonfinite
+            overflow_keys = _SKIP_KEY
         notes.append(
             f"Parameters of {', '.join(c.__name__ for c in safe_classes) or 'no module class'} are "
             f"reduced and gathered in {low_name}; all other parameters in fp32. A parameter shared "
@@ -409,6 +423,7 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
         groups=groups,
         loss_scale=loss_scale,
         check_grad_overflow=check_overflow,
+        overflow_keys=overflow_keys,
         notes=notes,
         lossy=_lossy_choices(config, groups),
         buffer_dtype=_torch_dtype(config.data_types.buffer_dtype) if config.data_types.buffer_dtype else None,

@@ -15,29 +15,35 @@ masters and `publish_masters` brings them back in the parameter dtype.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import comm
+from . import comm, faults
 from .flat import FlatParamGroup
 from .layout import PLACEMENTS, ParallelLayout
 from .loss_scale import LossScaler
 from .offload import HostGradients
 from .publish import publish_masters
 
+_EXACT = 2**24
+
 
 @dataclass(frozen=True)
 class StepResult:
     """What one step did: the pre-clip norm, the norm after clipping (both device scalars, read
     on the host only when asked: `norm`, `post_clip_norm`), whether it was skipped (non-finite
-    gradient) and the loss scale it ran with."""
+    gradient), the loss scale it ran with, and the ranks whose own (unreduced) gradient was not
+    finite."""
 
     norm_tensor: torch.Tensor
     post_clip_tensor: torch.Tensor
     overflow: bool
     scale: float
+    nonfinite_ranks: tuple[int, ...] = ()
+    finite: bool = True  # whether the global norm was finite (read once, in global_norm)
 
     @property
     def norm(self) -> float:
@@ -91,17 +97,24 @@ class OptimizerStep:
         self.optimizer: Any = None
         self.lr_scheduler: Any = None
 
-    def run(self) -> StepResult:
-        """One step on the reduced gradients; skipped (parameters and optimizer state
-        untouched) if the global norm is not finite and the plan checks overflow.
+    def run(self, local_grad_sum: torch.Tensor | None = None, position: tuple[int, int] = (0, 0)) -> StepResult:
+        """One step on the reduced gradients; skipped (parameters, optimizer state and
+        scheduler untouched) if the global norm is not finite and the plan checks overflow.
 
-        [Note: no host sync in a step]
-        The norm, the clip coefficient and the clipping stay on the device: the coefficient
-        is `clamp(clip / (norm + 1e-6), max=1)` (torch.nn.utils.clip_grad_norm_'s formula), and
+        `local_grad_sum` is the sum of this rank's own gradients before reduction (the
+        reducer's `take_local_sum`): whether it is finite travels with the norm, so the
+        result names the rank(s) a non-finite gradient came from. `position` (this rank's step
+        counter and its training forwards since the last step) travels with it too: ranks
+        that disagree raise RankDesyncError on every rank, before anything is changed.
+
+        [Note: host reads in a step]
+        The norm, the clip coefficient and the clipping stay on the device: the coefficient is
+        `clamp(clip / (norm + 1e-6), max=1)` (torch.nn.utils.clip_grad_norm_'s formula), and
         every gradient is multiplied by it (by 1.0, exactly, when the norm is below the clip).
         The norm reaches the host only when read (`StepResult.norm`,
-        `engine.get_global_grad_norm()`, the log line every steps_per_print). The one read
-        left is the overflow decision where the plan checks overflow (fp16, bf16 by default):
+        `engine.get_global_grad_norm()`, the log line every steps_per_print). The one host read
+        per step is the packed all-reduce's result (`global_norm`): whether the norm is finite,
+        which ranks produced a non-finite gradient and whether every rank is at the same step;
         skipping the optimizer, the scheduler and the loss-scale update are host decisions.
         """
         scale = self.loss_scaler.scale
@@ -117,8 +130,8 @@ class OptimizerStep:
         if scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / scale)
 
-        norm = self.global_norm_tensor()
-        overflow = self.check_overflow and not bool(torch.isfinite(norm))  # the one host read, see the note
+        norm, finite, nonfinite_ranks = self.global_norm(local_grad_sum, position)
+        overflow = self.check_overflow and not finite
         if overflow:
             post_clip = norm
         else:
@@ -136,11 +149,22 @@ class OptimizerStep:
         for flat in self.flats:
             flat.master.grad = None
             flat.clear_reduced()
-        return StepResult(norm, post_clip, overflow, scale)
+        return StepResult(norm, post_clip, overflow, scale, nonfinite_ranks, finite)
 
-    def global_norm_tensor(self) -> torch.Tensor:
-        """L2 norm of the whole reduced, unscaled gradient, summed shard by shard: a 0-d fp32
-        tensor on the device (no host sync).
+    def global_norm(
+        self, local_grad_sum: torch.Tensor | None = None, position: tuple[int, int] = (0, 0)
+    ) -> tuple[torch.Tensor, bool, tuple[int, ...]]:
+        """L2 norm of the whole reduced, unscaled gradient, summed shard by shard (a 0-d fp32
+        tensor on the device), whether it is finite, and the ranks whose local gradient sum
+        (`local_grad_sum`) was not finite.
+
+        [Note: what travels with the norm]
+        One all-reduce (a sum over the world) of [norm partial, one slot per rank]: each rank
+        writes 1.0 into its own slot when its own gradient was not finite, so every rank
+        learns which ranks produced a NaN or inf (after the reduction every rank's shard may
+        hold it) without a second collective. Two more slots per rank carry its position (step
+        counter, training forwards since the last step), checked by
+        `faults.check_positions`: a rank that skipped part of a step is found within the step.
 
         Every stage sums the same per-shard partial sums in the same order, so the norm
         (and hence clipping) is bitwise identical across stages. A flat replicated over R
@@ -156,12 +180,22 @@ class OptimizerStep:
                 partial = partial / flat.spec.replication
             partials.append(partial)
         total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
-        return self._all_reduce_norm(total).sqrt()
-
-    def _all_reduce_norm(self, total: torch.Tensor) -> torch.Tensor:
-        """The step's one all-reduce: this rank's sum of squares summed over the world. Other
-        per-step scalars that every rank must agree on belong in this same collective (pack
-        them beside the sum), never in a second one."""
-        packed = total.reshape(1).to(device=self.device, dtype=torch.float32)  # host partials: offload
-        comm.all_reduce(packed, group=self.layout.world, tag="norm")
-        return packed[0]
+        world = self.layout.world
+        size = world.size
+        # On the device even when the partials are on the host (offload): the wire's device.
+        packed = torch.zeros(1 + 3 * size, dtype=torch.float32, device=self.device)
+        packed[0] = total.to(device=self.device, dtype=torch.float32)
+        if local_grad_sum is not None:
+            packed[1 + world.rank] = (~torch.isfinite(local_grad_sum.to(packed.device))).float()
+        # fp32 holds integers exactly below 2**24: counters modulo that still differ when
+        # ranks are a few steps apart.
+        packed[1 + size + world.rank] = position[0] % _EXACT
+        packed[1 + 2 * size + world.rank] = position[1] % _EXACT
+        comm.all_reduce(packed, group=world, tag="norm")
+        values = packed.tolist()  # the step's one host read (see run's note)
+        norm = packed[0].sqrt()  # the float32 square root, as the norm always was
+        finite = math.isfinite(values[0])
+        values = values[1:]
+        faults.check_positions(world.ranks, values[size : 2 * size], values[2 * size :])
+        flags = values[:size]
+        return norm, finite, tuple(world.ranks[i] for i, flag in enumerate(flags) if flag != 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from . import faults
 from .flat import FlatParamGroup, ShardState
 
 
@@ -61,12 +62,14 @@ class Unit:
     def gather(self, tag: str = "param", exact: bool = False) -> None:
         """Materialise every flat's full parameters (`exact`: in the parameter dtype, not the
         plan's gather dtype; for readers such as exports, not for compute)."""
-        for flat in self.flats:
-            flat.gather_full(tag, exact)
+        with faults.in_unit(self.name):
+            for flat in self.flats:
+                flat.gather_full(tag, exact)
 
     def start_gather(self) -> None:
-        for flat in self.flats:
-            flat.start_gather()
+        with faults.in_unit(self.name):
+            for flat in self.flats:
+                flat.start_gather()
 
     def free(self) -> None:
         for flat in self.flats:

@@ -1,8 +1,10 @@
 """Overflow handling and gradient clipping across ranks (DESIGN section 5).
 
-Overflow: an inf in one rank's gradient must skip the step on every rank, lower the fp16
-loss scale as the hysteresis says, leave parameters and optimizer state untouched, count
-the skipped step, and the next clean step must go on as if the bad steps never happened.
+Overflow: an inf in one rank's gradient must skip the step on every rank in every precision
+mode (fp32 and torch_autocast too), lower the fp16 loss scale as the hysteresis says, leave
+parameters and optimizer state untouched, count the skipped step, log the rank it came from,
+and the next clean step must go on as if the bad steps never happened.
+`zeroshard.skip_nonfinite_steps: false` restores DeepSpeed's fp32 behaviour (the step runs).
 
 Clipping: `get_global_grad_norm()` is the pre-clip norm of the full reduced gradient (the
 gradient of the mean loss over the global batch), on every stage (never None, which it was
@@ -43,7 +45,8 @@ def _equal_named(a: dict, b: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def overflow_results(dist_pool):
-    cases = [Case(stage=stage, mode=mode, steps=STEPS, keep=()) for mode in ("fp16", "bf16") for stage in STAGES]
+    cases = [Case(stage=stage, mode=mode, steps=STEPS, keep=()) for mode in ("fp16", "bf16", "fp32") for stage in STAGES]
+    cases += [Case(stage=stage, mode="autocast_bf16", steps=STEPS, keep=()) for stage in (0, 3)]
     return cases, dist_pool(2).run(overflow_run, cases, BAD_STEPS, BAD_RANK, timeout=TIMEOUT_S)
 
 
@@ -72,6 +75,15 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(overflow_results) -> Non
                         assert _equal_named(result["state"][step][key], result["state"][step - 1][key]), (
                             f"rank {rank}: optimizer state {key} changed by skipped step {step + 1}"
                         )
+                for step in range(STEPS):
+                    nonfinite = [text for _, text in result["log"][step] if "non-finite" in text]
+                    if step in BAD_STEPS:
+                        assert len(nonfinite) == 1 and f"from rank(s) {BAD_RANK};" in nonfinite[0], (
+                            f"rank {rank}: step {step + 1} logged {result['log'][step]}"
+                        )
+                        assert "step skipped" in nonfinite[0], nonfinite[0]
+                    else:
+                        assert not nonfinite, f"rank {rank}: clean step {step + 1} logged {nonfinite}"
                 # The clean steps do move the parameters.
                 assert not _equal_named(result["master"][0], result["initial_master"])
                 assert not _equal_named(result["master"][3], result["master"][2])
@@ -108,6 +120,24 @@ def test_training_after_skipped_steps_matches_the_reference(overflow_results) ->
         check_against_reference(engine_view, ref, case.mode, case.settings, losses, case.label)
         steps = result["state"][3]["step"]
         assert all(float(v) == 2.0 for v in steps.values()), f"{case.label}: optimizer step counts {steps}"
+
+
+def test_skip_nonfinite_steps_false_keeps_deepspeeds_behaviour(dist_pool) -> None:
+    """fp32 with zeroshard.skip_nonfinite_steps false: the poisoned step is taken (no skipped
+    step counted), so the masters become non-finite on every rank, as DeepSpeed's do; the log
+    still names the rank and says the check is off."""
+    cases = [
+        Case(stage=stage, steps=2, keep=(), extra={"zeroshard": {"skip_nonfinite_steps": False}}, variant="noskip")
+        for stage in (0, 3)
+    ]
+    per_rank = dist_pool(2).run(overflow_run, cases, (1,), BAD_RANK, timeout=TIMEOUT_S)
+    for rank, results in enumerate(per_rank):
+        for case, result in zip(cases, results, strict=True):
+            assert result["skipped"] == [0, 0], (case.label, rank, result["skipped"])
+            after = result["master"][1]
+            assert not all(torch.isfinite(t).all() for t in after.values()), f"{case.label}: step was skipped"
+            said = [text for _, text in result["log"][1] if "non-finite" in text]
+            assert len(said) == 1 and "zeroshard.skip_nonfinite_steps is false" in said[0], (case.label, said)
 
 
 def test_overflow_steps_report_a_nonfinite_norm(overflow_results) -> None:

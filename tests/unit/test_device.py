@@ -8,6 +8,7 @@ group on a FileStore.
 from __future__ import annotations
 
 import types
+from datetime import timedelta
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 import zeroshard
 from zeroshard import distributed
 from zeroshard.device import backends_by_device, binds_device_id, select_device, uses_nccl
+from zeroshard.faults import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
 class FakeCuda:
@@ -149,7 +151,8 @@ def test_init_distributed_binds_the_nccl_group_to_the_local_gpu(monkeypatch, bac
     monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
     set_env(monkeypatch, RANK="7", WORLD_SIZE="8", LOCAL_RANK="7", MASTER_ADDR="h", MASTER_PORT="1")
     distributed.init_distributed(dist_backend=backend)
-    assert calls == [{"backend": backend, "device_id": torch.device("cuda", 3)}]
+    timeout = timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)  # zeroshard's default, not torch's 30 min
+    assert calls == [{"backend": backend, "device_id": torch.device("cuda", 3), "timeout": timeout}]
     assert cuda.set_calls == [3]
 
 
@@ -161,7 +164,7 @@ def test_init_distributed_gloo_binds_no_device(monkeypatch):
     monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
     set_env(monkeypatch, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="h", MASTER_PORT="1")
     distributed.init_distributed()
-    assert calls == [{"backend": "gloo"}]
+    assert calls == [{"backend": "gloo", "timeout": timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)}]
     assert cuda.set_calls == []
 
 

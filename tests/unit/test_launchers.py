@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import distributed
+from zeroshard.faults import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.launchers import (
     DEFAULT_MASTER_PORT,
     LaunchEnv,
@@ -158,7 +160,7 @@ def test_init_distributed_under_mpirun_creates_the_group(monkeypatch, clean_envi
     for key, value in OPENMPI.items():
         monkeypatch.setenv(key, value)
     distributed.init_distributed()
-    assert clean_environ == [{"backend": "gloo"}]
+    assert clean_environ == [{"backend": "gloo", "timeout": timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)}]
     assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")} == {
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 

@@ -27,7 +27,8 @@ def test_fp32_column():
     group = plan.groups["all"]
     assert roles(group) == (F32, F32, F32, F32, F32, F32, F32, True)
     assert group.compute == "fp32"
-    assert plan.loss_scale.kind == "none" and plan.check_grad_overflow is False
+    # A non-finite gradient skips the step in fp32 too (zeroshard.skip_nonfinite_steps, default true).
+    assert plan.loss_scale.kind == "none" and plan.check_grad_overflow is True
 
 
 def test_bf16_column_defaults_to_fp32_accumulation_and_says_so():
@@ -52,6 +53,29 @@ def test_bf16_communication_data_type_halves_the_wire():
 
 def test_bf16_check_grad_overflow_follows_config():
     assert plan_for({"bf16": {"enabled": True, "check_grad_overflow": False}}).check_grad_overflow is False
+
+
+@pytest.mark.parametrize(
+    "config, keys",
+    [
+        ({}, "zeroshard.skip_nonfinite_steps"),
+        ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "zeroshard.skip_nonfinite_steps"),
+        ({"bf16": {"enabled": True}}, "bf16.check_grad_overflow, zeroshard.skip_nonfinite_steps"),
+    ],
+)
+def test_skip_nonfinite_steps_turns_the_check_off_and_names_its_key(config, keys):
+    """Modes without loss scaling skip non-finite steps unless zeroshard.skip_nonfinite_steps
+    is false (DeepSpeed's behaviour); the plan names the key(s) that control it (explain prints them)."""
+    assert plan_for(config).check_grad_overflow is True
+    assert plan_for(config).overflow_keys == keys
+    off = {**config, "zeroshard": {"skip_nonfinite_steps": False}}
+    assert plan_for(off).check_grad_overflow is False
+
+
+def test_fp16_always_checks_overflow():
+    """fp16's loss scale needs the check: the switch does not turn it off."""
+    plan = plan_for({"fp16": {"enabled": True}, "zeroshard": {"skip_nonfinite_steps": False}})
+    assert plan.check_grad_overflow is True and plan.overflow_keys == ""
 
 
 def test_bf16_low_precision_master_weights_and_optimizer_states():
@@ -110,7 +134,7 @@ def test_torch_autocast_column(dtype_name, dtype):
     if dtype == F16:
         assert plan.loss_scale.kind == "grad_scaler" and plan.check_grad_overflow is True
     else:
-        assert plan.loss_scale.kind == "none" and plan.check_grad_overflow is False
+        assert plan.loss_scale.kind == "none" and plan.check_grad_overflow is True
 
 
 def test_custom_lower_precision_safe_modules():

@@ -28,9 +28,10 @@ def model_param_shapes(module: Any) -> dict[str, list[int]]:
     included (all experts of a layer share one shape)."""
     params = dict(module.named_parameters(remove_duplicate=False))
     local_experts = {name for name, p in params.items() if id(p) in global_expert_names(module)}
-    shapes = {name: list(p.shape) for name, p in params.items() if name not in local_experts}
+    # ds_shape: a stage-3 parameter outside a gather is empty (zeroshard/flat.py)
+    shapes = {name: list(getattr(p, "ds_shape", p.shape)) for name, p in params.items() if name not in local_experts}
     for global_name, local_name in all_global_expert_names(module).items():
-        shapes[global_name] = list(params[local_name].shape)
+        shapes[global_name] = list(getattr(params[local_name], "ds_shape", params[local_name].shape))
     return shapes
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,12 +31,37 @@ def _poison(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+class _ListHandler(logging.Handler):
+    def __init__(self, into: list[tuple[str, str]]) -> None:
+        super().__init__(logging.DEBUG)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append((record.levelname, record.getMessage()))
+
+
+@contextlib.contextmanager
+def captured_log() -> Iterator[list[tuple[str, str]]]:
+    """The "zeroshard" logger's messages, (level name, text), while the block runs."""
+    said: list[tuple[str, str]] = []
+    logger = logging.getLogger("zeroshard")
+    handler, previous = _ListHandler(said), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
 def overflow_run(cases: list[Case], bad_steps: tuple[int, ...], bad_rank: int) -> list[dict[str, Any]]:
     """Train each case; on `bad_rank` only, at the (0-based) steps in `bad_steps`, one element
     of POISONED_PARAM's gradient becomes inf (a tensor hook, before accumulation).
 
     Returns per case, per step: the loss scale after the step, skipped_steps, global_steps,
-    the full masters and the full AdamW state after the step; and the initial masters.
+    the full masters and the full AdamW state after the step, what the "zeroshard" logger
+    said during the step; and the initial masters.
     """
     results = []
     for case in cases:
@@ -48,11 +76,14 @@ def overflow_run(cases: list[Case], bad_steps: tuple[int, ...], bad_rank: int) -
             "state": [],
             "grad_norms": [],
             "losses": [],
+            "log": [],
         }
         for index, batch in enumerate(case_batches(case)):
             handle = param.register_hook(_poison) if index in bad_steps and dist.get_rank() == bad_rank else None
             out["losses"].append(engine_loop_step(engine, case, batch))
-            engine.step()
+            with captured_log() as said:
+                engine.step()
+            out["log"].append(said)
             if handle is not None:
                 handle.remove()
             out["scale_after"].append(engine.loss_scale)

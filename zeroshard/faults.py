@@ -1,0 +1,73 @@
+"""What a rank reports when the ranks stop moving together: a collective that failed or
+timed out, and ranks that disagree on where they are in training.
+
+[Note: where a collective ran]
+`where` is the engine's position, set as it goes (the step by the engine, the unit by the
+unit being gathered or reduced), so that a collective's error names the step and the unit it
+belonged to. zeroshard.comm captures it when a collective is issued, so an asynchronous
+one (a prefetch, a gradient bucket) that fails later still names its own unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# The default of zeroshard.collective_timeout_s: long enough for a first step's warm-up or a
+# large checkpoint written by one rank while the others wait, short enough that a frozen peer
+# is an error a user sees in minutes instead of torch's 30-minute default.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer stopped, died, or ran other collectives."""
+
+
+class RankDesyncError(RuntimeError):
+    """The ranks disagree on their step or their number of training forwards in it."""
+
+
+@dataclass
+class Where:
+    step: int | None = None
+    unit: str | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.step is not None:
+            parts.append(f"step {self.step}")
+        if self.unit is not None:
+            parts.append(f"unit '{self.unit}'")
+        return ", ".join(parts) or "outside a training step"
+
+
+where = Where()
+
+
+@contextlib.contextmanager
+def in_unit(name: str) -> Iterator[None]:
+    """Collectives issued inside the block belong to unit `name`."""
+    previous, where.unit = where.unit, name
+    try:
+        yield
+    finally:
+        where.unit = previous
+
+
+def check_positions(ranks: tuple[int, ...], steps: list[float], forwards: list[float]) -> None:
+    """Raise RankDesyncError on every rank when the ranks' step counters or their counts of
+    training forwards since the last step differ (all ranks see the same lists)."""
+    if len(set(steps)) <= 1 and len(set(forwards)) <= 1:
+        return
+    positions = ", ".join(
+        f"rank {r} at step {int(s)} after {int(f)} training forward(s)"
+        for r, s, f in zip(ranks, steps, forwards, strict=True)
+    )
+    raise RankDesyncError(
+        f"ranks are out of step: {positions}. A rank skipped part of a training step (for example "
+        "it caught an exception in forward or backward and carried on), so its gradients would be "
+        "mixed with another step's. Every rank must run the same training forwards (grad enabled, "
+        "train mode), backward and step calls; run one-rank-only evaluation under torch.no_grad() "
+        "or engine.eval(). Stop and resume from the last checkpoint."
+    )
