@@ -177,7 +177,9 @@ def autocast_copies(stage: int) -> dict[str, Any]:
     }
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     saved: dict[int, int] = {}
-    weight_shapes = {tuple(b.weight.shape) for b in [*model.blocks, model.head]}
+    # Full shapes: at stage 3 a parameter outside a gather is empty, `ds_shape` keeps its shape.
+    weights_of = [b.weight for b in [*model.blocks, model.head]]
+    weight_shapes = {tuple(getattr(w, "ds_shape", w.shape)) for w in weights_of}
 
     def pack(t: torch.Tensor):
         # A matmul saves its weight's cast as a transposed view of the copy autocast made.
@@ -196,7 +198,7 @@ def autocast_copies(stage: int) -> dict[str, Any]:
         group = engine._param_group_name[id(p)]
         counts[group] = counts.get(group, 0) + engine.locate(p)[0].numels[engine.locate(p)[1]]
     estimate = estimate_for_config(engine.config, engine.precision_plan, counts, world_size=dist.get_world_size())
-    weights = sum(b.weight.numel() for b in [*model.blocks, model.head])
+    weights = sum(getattr(w, "ds_numel", w.numel()) for w in weights_of)
     return {
         "saved_copy_bytes": sum(saved.values()),
         "weight_bytes_bf16": 2 * weights,
