@@ -12,18 +12,11 @@ import argparse
 import json
 import sys
 
-from zeroshard.explain import ConfigError, UsageError, explain_data, print_tables
+from zeroshard.explain import ConfigError, UsageError, explain_data, preset_names, print_tables
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad config or bad arguments, as argparse does
 
-
-def _preset_names() -> list[str]:
-    try:
-        from zeroshard.demo.model import PRESETS
-    except ImportError:
-        return []
-    return list(PRESETS)
 
 
 def _positive_int(text: str) -> int:
@@ -69,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show what a DeepSpeed-style config resolves to. Exits 2 on a bad config.",
     )
     explain.add_argument("config", metavar="CONFIG", help="DeepSpeed-style JSON config file")
-    presets = _preset_names()
+    presets = preset_names()
     explain.add_argument(
         "--model",
         metavar="PRESET|module:factory",

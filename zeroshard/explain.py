@@ -20,7 +20,9 @@ from zeroshard.memory import MemoryEstimate, bytes_per_param, estimate_for_confi
 from zeroshard.precision import PrecisionPlan, assign_param_groups
 from zeroshard.resolve import resolve_config
 
-__all__ = ["ConfigError", "UsageError", "build_model_on_meta", "explain_data", "explain_text", "print_tables"]
+__all__ = [
+    "ConfigError", "UsageError", "build_model_on_meta", "explain_data", "explain_text", "preset_names", "print_tables",
+]
 
 ROLE_ROWS = (
     ("param", "module parameters"),
@@ -45,7 +47,7 @@ class UsageError(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
-def _preset_names() -> list[str]:
+def preset_names() -> list[str]:
     try:
         from zeroshard.demo.model import PRESETS
     except ImportError:
