@@ -63,9 +63,14 @@ def build(stage: int, mode: str):
 
 
 def _values(engine, seed: int) -> dict[str, torch.Tensor]:
-    """A fresh fp32 value per trainable parameter, the same on every rank."""
+    """A fresh fp32 value per trainable parameter, the same on every rank (full shapes: at stage 3
+    a parameter outside a gather is empty, `ds_shape` keeps its shape)."""
     gen = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(p.shape, generator=gen) for n, p in engine.module.named_parameters() if p.requires_grad}
+    return {
+        n: torch.randn(getattr(p, "ds_shape", p.shape), generator=gen)
+        for n, p in engine.module.named_parameters()
+        if p.requires_grad
+    }
 
 
 def _backward(engine, seed: int) -> None:
