@@ -17,10 +17,12 @@ buffers (numel x element size, padding included), so
     measured = 2 * all_reduce + reduce_scatter + all_gather     (gradient and parameter traffic)
 
 The theory, for P parameters (the tied embedding counted once) and the contract's dtypes:
-stage 0 all-reduces the gradient (2 P b_reduce); stages 1-2 reduce-scatter it and
-all-gather the updated parameters (P b_reduce + P b_param); stage 3 reduce-scatters and
-gathers every unit before its forward and its backward (P b_reduce + 2 P b_gather). With one
-dtype throughout that is 2 P b and 3 P b. Measured exceeds theory only by the padding of
+stage 0 all-reduces the gradient (2 P b_reduce); stage 1 all-reduces it (every rank keeps the
+whole reduced gradient, for `param.grad`) and all-gathers the updated parameters
+(2 P b_reduce + P b_param); stage 2 reduce-scatters it and all-gathers the parameters
+(P b_reduce + P b_param); stage 3 reduce-scatters and gathers every unit before its forward
+and its backward (P b_reduce + 2 P b_gather). With one dtype throughout that is 2 P b
+(stages 0, 2) and 3 P b (stages 1, 3). Measured exceeds theory only by the padding of
 each flat buffer to a multiple of W. Stage 3 runs with stage3_param_persistence_threshold 0
 (otherwise this small model's blocks would stay resident and it would move what stage 2 does).
 A benchmark, not a test: nothing asserts (tests/dist/test_comm_dtypes.py does, exactly).
@@ -103,7 +105,9 @@ def theory_bytes(engine, stage: int) -> int:
         reduce_b = role.reduce_dtype.itemsize
         if stage == 0:
             total += 2 * numel * reduce_b
-        elif stage in (1, 2):
+        elif stage == 1:
+            total += numel * (2 * reduce_b + role.param_dtype.itemsize)
+        elif stage == 2:
             total += numel * (reduce_b + role.param_dtype.itemsize)
         else:
             total += numel * (reduce_b + 2 * role.gather_dtype.itemsize)
@@ -187,7 +191,8 @@ def worker(args: argparse.Namespace) -> None:
         )
     print(
         "\nmeasured = 2 x all_reduce + reduce_scatter + all_gather bytes (grad and param); "
-        "theory: stage 0 2P b, stages 1-2 P (b_reduce + b_param), stage 3 P (b_reduce + 2 b_gather); "
+        "theory: stage 0 2P b, stage 1 P (2 b_reduce + b_param), stage 2 P (b_reduce + b_param), "
+        "stage 3 P (b_reduce + 2 b_gather); "
         "'x param bytes' divides by P x 4 (the fp32 parameter bytes)."
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

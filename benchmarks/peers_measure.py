@@ -180,8 +180,8 @@ def peer_comm_theory(
 def zeroshard_comm_theory(engine) -> dict[str, float]:
     """What zeroshard should send per step (no accumulation), from its flat buffers' dtypes.
 
-    Stage 0 all-reduces every padded flat buffer in the reduce dtype; stages 1-3 reduce-scatter
-    it; stages 1-2 all-gather the updated parameters in the parameter dtype; stage 3 all-gathers
+    Stages 0-1 all-reduce every padded flat buffer in the reduce dtype; stages 2-3
+    reduce-scatter it; stages 1-2 all-gather the updated parameters in the parameter dtype; stage 3 all-gathers
     every non-resident flat in the gather dtype before its forward and again before its
     backward, while resident units (below stage3_param_persistence_threshold) are all-gathered
     after the step as at stages 1-2. Plus the
@@ -194,7 +194,10 @@ def zeroshard_comm_theory(engine) -> dict[str, float]:
         if stage == 0:
             out["all_reduce"] += reduce
             continue
-        out["reduce_scatter"] = out.get("reduce_scatter", 0.0) + reduce
+        if stage == 1:
+            out["all_reduce"] += reduce
+        else:
+            out["reduce_scatter"] = out.get("reduce_scatter", 0.0) + reduce
         if flat.policy.keep_full_params:  # stages 1-2, and stage-3 units kept resident
             gather_after_step = flat.padded_numel * _size(flat.role.param_dtype)
             out["all_gather"] = out.get("all_gather", 0.0) + gather_after_step

@@ -8,7 +8,9 @@ device (no memory is allocated). Communication uses the same plan's wire dtypes 
 table of DESIGN section 3 (the estimator has no communication function yet):
 
     stage 0    all-reduce of the gradients                      P x reduce bytes
-    stage 1-2  reduce-scatter of the gradients + all-gather of   P x reduce + P x param bytes
+    stage 1    all-reduce of the gradients + all-gather of       P x reduce + P x param bytes
+               the updated parameters (sent: 2x the reduce)
+    stage 2    reduce-scatter of the gradients + all-gather of   P x reduce + P x param bytes
                the updated parameters
     stage 3    reduce-scatter + all-gather before each unit's     P x reduce + 2 P x gather bytes
                forward and again before its backward
@@ -92,7 +94,8 @@ def comm_bytes_per_step(plan, stage: int, counts: dict[str, int], world_size: in
             continue
         gather = numel * (_size(role.param_dtype) if stage < 3 else 2 * _size(role.gather_dtype))
         buffer += reduce + gather
-        sent += share * (reduce + gather)
+        # Stage 1 all-reduces (zeroshard/stages.py): twice a reduce-scatter's bytes sent.
+        sent += share * ((2 if stage == 1 else 1) * reduce + gather)
     return buffer, sent
 
 

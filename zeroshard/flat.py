@@ -21,6 +21,10 @@ class, into one 1-D buffer:
     local_grad   gradients accumulated on this rank and not yet reduced (full size).
     reduced_grad the reduced (summed over ranks, divided by world_size x grad_accum_steps)
                  gradient for the master's range, in the accumulation dtype.
+    reduced_full stages 0-1 (an all-reduce): the whole reduced gradient, full size, of which
+                 `reduced_grad` is the master's range (all of it at stage 0, this rank's
+                 shard as a view at stage 1). None at stages 2-3 (a reduce-scatter leaves
+                 only the shard).
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ class FlatParamGroup:
         # so the buffer is never zero-filled up front (see `accumulate`).
         self._unwritten: set[int] = set()
         self.reduced_grad: torch.Tensor | None = None
+        self.reduced_full: torch.Tensor | None = None
         # The full local buffer `reduced_grad` lives in, when a reduction ran in place.
         self._reduced_in_local: torch.Tensor | None = None
         if not policy.keep_full_params:
@@ -321,19 +326,33 @@ class FlatParamGroup:
             region.add_(grad.reshape(-1))
 
     def reduced_grad_buffer(self) -> torch.Tensor:
+        """The reduced gradient of the master's range (zeros when none was reduced yet)."""
         if self.reduced_grad is None:
-            _, length = self.master_range()
-            self.reduced_grad = torch.zeros(
-                length, dtype=self.role.grad_accum_dtype, device=self.device
-            )
+            dtype = self.role.grad_accum_dtype
+            if self.policy.scatter:
+                self.reduced_grad = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
+            else:  # an all-reduce fills the whole buffer; the master reads its range of it
+                self.reduced_full = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
+                self.reduced_grad = self._master_part(self.reduced_full)
         return self.reduced_grad
+
+    def reduced_full_buffer(self) -> torch.Tensor:
+        """Stages 0-1: the whole reduced gradient (what an all-reduce writes)."""
+        assert not self.policy.scatter, "a reduce-scatter leaves only the shard"
+        self.reduced_grad_buffer()
+        assert self.reduced_full is not None
+        return self.reduced_full
+
+    def _master_part(self, full: torch.Tensor) -> torch.Tensor:
+        return self.shard_of(full) if self.policy.shard_optimizer else full
 
     def begin_reduction(self) -> tuple[torch.Tensor, bool]:
         """Hand the local gradient to the reducer: (the settled local buffer, in place).
 
-        In place when nothing reduced is waiting at stages 0-1: the local buffer (or its
-        shard) becomes the reduced gradient and the reducer writes the result back into it,
-        so those stages keep one full gradient buffer, not a second for the result.
+        In place when nothing reduced is waiting at stages 0-1: the local buffer becomes the
+        whole reduced gradient (`reduced_full`; the master reads its range of it) and the
+        reducer's all-reduce writes the result back into it, so those stages keep one full
+        gradient buffer, not a second for the result.
         Otherwise the reducer copies the values out, accumulates the result into
         `reduced_grad_buffer()` and calls `end_reduction`.
         """
@@ -344,7 +363,8 @@ class FlatParamGroup:
             and not self.policy.reduce_every_backward
         )
         if in_place:
-            self.reduced_grad = self.shard_of(local) if self.policy.scatter else local
+            self.reduced_full = local
+            self.reduced_grad = self._master_part(local)
             self._reduced_in_local = local
             self.local_grad = None
         return local, in_place
@@ -371,8 +391,11 @@ class FlatParamGroup:
         one becomes the local one again."""
         if self._reduced_in_local is not None:
             base, self._reduced_in_local, self.reduced_grad = self._reduced_in_local, None, None
+            self.reduced_full = None
             if self.local_grad is None:
                 self._restart_local(base)  # no zero fill: see `accumulate`
+        elif self.reduced_full is not None:
+            self.reduced_full.zero_()
         elif self.reduced_grad is not None:
             self.reduced_grad.zero_()
 

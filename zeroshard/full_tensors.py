@@ -46,7 +46,9 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """The accumulated, reduced (averaged), unscaled gradient, full size, in fp32.
 
     Valid between the boundary backward and `engine.step()`; zeros for a parameter that
-    took no part in the backward; None when no reduced gradient exists yet (before the
+    took no part in the backward. Read from the master-side shards (what the step applies),
+    also at stage 1 where every rank holds the whole reduced gradient (`param.grad`): after
+    `safe_set_local_grad` only the shards agree everywhere; None when no reduced gradient exists yet (before the
     boundary backward, or after the step cleared it).
     """
     registry, flat, index = _locate(param)

@@ -18,7 +18,8 @@ Follow a gradient:
 3. At the end of the backward (`_finish`, a callback queued on the autograd engine) whatever
    is left is queued (units with parameters that took no part, gradients that arrived late),
    the reducer finishes every bucket and writes each result, divided by world size x k,
-   into `flat.reduced_grad` (this rank's shard at stages 1-3).
+   into `flat.reduced_grad` (the whole gradient at stages 0-1, where `param.grad` then views
+   it: zeroshard/grad_views.py; this rank's shard at stages 2-3).
 4. A backward that does not reduce (no_sync, or a non-boundary micro-step at stages 0-1)
    leaves the local gradient; `flush` reduces it before the step.
 
@@ -135,7 +136,7 @@ class GradientPath:
         self._loss_scale = loss_scale
         self._is_boundary = is_boundary
         self.params: ParamSchedule | None = None  # stage 3's schedule, attached by the engine
-        self.views: GradViews | None = None  # stage 0's param.grad views, attached by the engine
+        self.views: GradViews | None = None  # stages 0-1's param.grad views, attached by the engine
         self.sync_enabled = True  # False inside no_sync()
         self.forward_depth = 0  # > 0 while the root module's forward runs
         self.in_backward = False

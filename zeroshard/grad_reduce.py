@@ -3,10 +3,12 @@
 The one reduction every stage uses. Each flat buffer's local gradient is divided by
 world_size x k (DESIGN section 4's gradient semantics), copied into a bucket in the wire
 dtype, and when the bucket is full (`reduce_bucket_size` elements, as in DeepSpeed) or the
-backward ends, the whole bucket is reduced by one collective: an all-reduce at stage 0, a
-reduce-scatter at stages 1-3, over the flats' shard group; with hybrid sharding the result is
+backward ends, the whole bucket is reduced by one collective: an all-reduce at stages 0-1, a
+reduce-scatter at stages 2-3, over the flats' shard group; with hybrid sharding the result is
 then all-reduced over their replica group, so it sums over every rank. The results are then
-written (in the accumulation dtype) into each flat's reduced gradient.
+written (in the accumulation dtype) into each flat's reduced gradient. Stage 1 all-reduces as
+stage 0 does (zeroshard/stages.py): its full local buffer becomes the whole reduced gradient,
+and the optimizer reads this rank's shard of it.
 
 [Note: why buckets span units]
 A unit is often small (one transformer block); one collective per unit pays the
@@ -20,17 +22,16 @@ bucket when its unit is ready, after which stages 2-3 free the flat's local buff
 a bucket holds at most `reduce_bucket_size` elements (fewer when less remains to be reduced),
 and at most two exist at once: one being filled and one being reduced. Issuing a bucket
 first completes any older one still in flight (double buffering, as DeepSpeed's overlap_comm
-does). Stages 0-1 keep their full local buffer and receive the result back into it (it
-becomes the reduced gradient, or at stage 1 its own shard does), so they hold one full
-gradient buffer, as before.
+does). Stages 0-1 keep their full local buffer and receive the all-reduced result back into
+it (it becomes the reduced gradient), so they hold one full gradient buffer, as before.
 
 [Note: bucket layout]
 With a shard group of S ranks (the world, unless hybrid sharding splits it: zeroshard/layout.py),
 a flat's local gradient is viewed as a (S, padded / S) matrix (row r is group rank r's shard).
 A bucket is a (S, C) matrix whose column blocks are pieces of flats, so a
 reduce-scatter of the bucket (rank-major, i.e. row by row) leaves rank r the r-th row:
-exactly its shard of every piece. Stage 0's all-reduce uses the same layout although any
-would do: each element then sits at the same place in the same-sized buffer at every stage,
+exactly its shard of every piece. The all-reduce of stages 0-1 uses the same layout although
+any would do: each element then sits at the same place in the same-sized buffer at every stage,
 so a backend whose summation order depends on the position (gloo's ring on 3+ ranks) sums
 it in the same order, and stages stay bitwise equal.
 
@@ -155,8 +156,8 @@ class GradientReducer:
         key = self._key(flat)
         rows, cols = flat.shard_size, self._cols(flat)
         acc_dtype, wire_dtype = flat.role.grad_accum_dtype, flat.role.reduce_dtype
-        # In place (stages 0-1, nothing reduced waiting): the local buffer (stage 0) or its
-        # own shard (stage 1) is already the reduced gradient, so no second gradient buffer
+        # In place (stages 0-1, nothing reduced waiting): the local buffer is already the
+        # reduced gradient (the all-reduce writes back into it), so no second gradient buffer
         # exists. It is adopted before staging: issuing a full bucket below may complete an
         # earlier piece of this very flat, whose result then lands in it; it only writes
         # columns already staged. Otherwise (stages 2-3) the local buffer is freed below.
@@ -261,11 +262,11 @@ class GradientReducer:
         # columns c0:c1 of the shard), the whole buffer after an all-reduce (result: every
         # row, columns c0:c1 of the flat's (W, columns) view).
         flat = piece.flat
-        reduced = flat.reduced_grad_buffer()
         if flat.policy.scatter:
+            reduced = flat.reduced_grad_buffer()
             result = result[0]
         else:
-            reduced = reduced.view(flat.shard_size, -1)
+            reduced = flat.reduced_full_buffer().view(flat.shard_size, -1)
         target = reduced[..., piece.c0 : piece.c1]
         if piece.in_place:
             target.copy_(result)  # the reduced gradient is (part of) the local buffer: adopted in `add`

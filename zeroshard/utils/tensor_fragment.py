@@ -129,10 +129,15 @@ def _reduced_for_writing(flat: FlatParamGroup, what: str) -> torch.Tensor:
 def _write_grad(registry, flat: FlatParamGroup, index: int, part: torch.Tensor, in_param: int, what: str) -> None:
     at, from_param, length = _local_range(flat, index)
     reduced = _reduced_for_writing(flat, what)
-    if length:
-        scale = registry.loss_scale()  # the reduced gradient is kept scaled until the step
-        piece = part.narrow(0, from_param - in_param, length)
-        with torch.no_grad():
+    scale = registry.loss_scale()  # the reduced gradient is kept scaled until the step
+    with torch.no_grad():
+        if flat.reduced_full is not None:
+            # Stages 0-1: the whole reduced gradient (which `param.grad` views) holds the
+            # master's range too, so writing all of `part` there keeps both in step.
+            region = flat.reduced_full.narrow(0, flat.offsets[index] + in_param, part.numel())
+            region.copy_(part if scale == 1.0 else part * scale)
+        elif length:
+            piece = part.narrow(0, from_param - in_param, length)
             reduced.narrow(0, at, length).copy_(piece if scale == 1.0 else piece * scale)
 
 
