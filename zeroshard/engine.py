@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import comm, faults
+from . import comm, faults, init_partition
 from .autocast import forward_context
 from .config import ZeroshardConfig
 from .device import select_device
@@ -198,7 +198,10 @@ class Engine(EngineAPI):
             for n, p in model.named_parameters():
                 dtype = self.precision_plan.groups[names[n]].param_dtype
                 if p.dtype != dtype and p.is_floating_point():
-                    p.data = p.data.to(dtype)
+                    if init_partition.is_partitioned(p):  # built under zero.Init: cast its part
+                        init_partition.cast(p, dtype)
+                    else:
+                        p.data = p.data.to(dtype)
             if self.precision_plan.buffer_dtype is not None:
                 dtype = self.precision_plan.buffer_dtype
                 for buf_name, buf in model.named_buffers():
@@ -222,11 +225,15 @@ class Engine(EngineAPI):
                 classes[key][1].append(p)
             policy = self.policy
             threshold = self.config.zero_optimization.stage3_param_persistence_threshold
-            if not policy.keep_full_params and sum(p.numel() for p in spec.params) < threshold:
+            if not policy.keep_full_params and sum(init_partition.full_numel(p) for p in spec.params) < threshold:
                 # Small units stay resident (stage3_param_persistence_threshold): gathering
                 # them would cost more latency than the memory is worth. Such a unit then
                 # behaves as at stage 2.
                 policy = dataclasses.replace(policy, keep_full_params=True)
+            # Built under zero.Init: this unit's parameters are gathered from their parts now,
+            # one unit at a time, and the flats below copy them (zeroshard/zero_init.py).
+            for p in spec.params:
+                init_partition.adopt(p)
             flats = [
                 FlatParamGroup(
                     spec.name, names, params, self.precision_plan.groups[role_name],
@@ -235,6 +242,8 @@ class Engine(EngineAPI):
                 for (role_name, opt_group, expert_group), (names, params) in classes.items()
             ]
             units.append(Unit(spec.name, spec.module, flats))
+        for p in init_partition.partitioned_params(model):  # frozen: whole on every rank, as without Init
+            init_partition.adopt(p)
         return units
 
     def _sharding(self, expert_group: str | None):
@@ -393,7 +402,7 @@ class Engine(EngineAPI):
                 faults.where.step = self.global_steps
                 position = (self.global_steps, self._grads.training_forwards)
                 self._grads.training_forwards = 0
-                # Applies .grad changed in place through the views (stage 0, grad_views.py).
+                # Applies .grad changed in place through the views (stages 0-1, grad_views.py).
                 result = self._step.run(self._grads.reducer.take_local_sum(), position)
                 self._grads.views.clear()
                 self._global_grad_norm = result.norm_tensor

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .init_partition import full_numel
+
 ROOT_UNIT_NAME = "<root>"
 
 
@@ -31,7 +33,8 @@ class UnitSpec:
 
 
 def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    # Full sizes, also for parameters built under zero.Init (partitioned: numel 0).
+    return sum(full_numel(p) for p in module.parameters())
 
 
 def _inside(name: str, outer: list[str]) -> bool:

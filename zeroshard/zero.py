@@ -17,7 +17,11 @@ from torch import nn
 
 from . import comm
 from .full_tensors import _locate
-from .zero_init import Init  # noqa: F401  (DeepSpeed's zero.Init)
+from .zero_init import (
+    Init,  # noqa: F401  (DeepSpeed's zero.Init)
+    gather_partitioned,
+    release_partitioned,
+)
 
 
 @contextlib.contextmanager
@@ -32,14 +36,17 @@ def GatheredParameters(
         return
     if isinstance(params, torch.Tensor):
         params = [params]
+    params = list(params)
     flats = {}
     registry = None
     for p in params:
         try:
             registry, flat, _ = _locate(p)
         except ValueError:
-            continue  # not managed (frozen): it is always whole on every rank
+            continue  # not managed (frozen, or built under Init and not yet given to initialize)
         flats[id(flat)] = flat
+    # A model built under zeroshard.zero.Init, before initialize: its parameters are parts.
+    unadopted = gather_partitioned(params)
     ordered = [f for f in registry.flats if id(f) in flats] if registry is not None else []
     gathered_here = []
     for flat in ordered:
@@ -58,3 +65,4 @@ def GatheredParameters(
                     flat.write_back_full(changed=flat.full.ne(old))
         for flat in gathered_here:
             flat.free_full()
+        release_partitioned(unadopted, modifier_rank)

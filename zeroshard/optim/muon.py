@@ -256,12 +256,17 @@ def _embedding_param_ids(model: nn.Module) -> set[int]:
     }
 
 
+def _full_shape(p: nn.Parameter) -> torch.Size:
+    """The parameter's full shape, also while it is empty (built under zero.Init, or freed at stage 3)."""
+    return torch.Size(getattr(p, "ds_shape", p.shape)) if p.numel() == 0 else p.shape
+
+
 def muon_param_plan(model: nn.Module, params_cfg: Mapping[str, Any] | None = None) -> list[MuonChoice]:
     """Every trainable parameter's optimizer kind and the reason, in model order (`explain`)."""
     settings = parse_muon_params(params_cfg)
     embeddings = _embedding_param_ids(model)
     return [
-        classify_parameter(n, p.shape, settings.muon_exclude_patterns, id(p) in embeddings)
+        classify_parameter(n, _full_shape(p), settings.muon_exclude_patterns, id(p) in embeddings)
         for n, p in model.named_parameters() if p.requires_grad
     ]
 
@@ -306,16 +311,19 @@ def split_param_groups(
             use_muon = bool(user["use_muon"])
             if use_muon:
                 for name, p in members[index]:
-                    if p.dim() < 2 or p.numel() == 0:
+                    shape = _full_shape(p)
+                    if len(shape) < 2 or shape.numel() == 0:
                         raise ValueError(
                             f"optimizer group {index} has use_muon=True but parameter {name!r} has shape "
-                            f"{tuple(p.shape)}: Muon updates whole matrices. Move it to a group with "
+                            f"{tuple(shape)}: Muon updates whole matrices. Move it to a group with "
                             "use_muon=False."
                         )
             parts = [(use_muon, members[index])]
         else:
             kinds = {
-                id(p): classify_parameter(name, p.shape, settings.muon_exclude_patterns, id(p) in embeddings).use_muon
+                id(p): classify_parameter(
+                    name, _full_shape(p), settings.muon_exclude_patterns, id(p) in embeddings
+                ).use_muon
                 for name, p in members[index]
             }
             parts = [(kind, [(n, p) for n, p in members[index] if kinds[id(p)] == kind]) for kind in (True, False)]
