@@ -97,6 +97,14 @@ class _GatherOnAccess(TorchFunctionMode):
         init = _STATE.init
         if init is not None and not _STATE.busy:
             name, attribute = _names(func)
+            if attribute == "data" and name == "__set__" and args and parts.was_partitioned(args[0]):
+                # `p.data = value`: no gather (the old values are replaced); `value` is what gets
+                # partitioned again.
+                target = args[0]
+                result = func(*args, **kwargs)
+                target.ds_tensor = None
+                init._note_touched(target)
+                return result
             skip = attribute in _METADATA_GETTERS if attribute is not None else name in _METADATA_METHODS
             if not skip:
                 leaves, _ = tree_flatten((args, kwargs))
@@ -104,8 +112,6 @@ class _GatherOnAccess(TorchFunctionMode):
                     if isinstance(leaf, nn.Parameter) and parts.is_partitioned(leaf):
                         parts.gather(leaf)
                         init._note_touched(leaf)
-                if attribute == "data" and name == "__set__" and args and parts.was_partitioned(args[0]):
-                    init._note_touched(args[0])  # `p.data = value`: partitioned again from `value`
         return func(*args, **kwargs)
 
 

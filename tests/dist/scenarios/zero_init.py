@@ -54,7 +54,8 @@ def build_under_init(
 
 class Scaled(nn.Module):
     """A parameter the module fills from a child's after the child was built (and partitioned),
-    a buffer, a child weight written through `.data`, and a parameter assigned to the child."""
+    a buffer, a child weight written through `.data`, a child bias replaced by `.data = ...`,
+    and a parameter assigned to the child."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -64,6 +65,7 @@ class Scaled(nn.Module):
         with torch.no_grad():
             self.scale.copy_(self.inner.weight.sum(dim=0))  # reads a partitioned child's weight
             self.inner.weight.data.mul_(0.5)  # writes it through .data
+        self.inner.bias.data = torch.linspace(-1.0, 1.0, DIM)  # replaces a partitioned child's values
         self.inner.extra = nn.Parameter(torch.full((3,), 2.0))  # a late parameter of the child
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
