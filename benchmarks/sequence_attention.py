@@ -6,8 +6,11 @@ the engine's interpreter: zeroshard under this one, DeepSpeed under `--deepspeed
 own virtualenv: DeepSpeed is not installed beside zeroshard). Launches alternate between the
 engines, `repeat` times, so slow phases of a shared machine fall on both. A length's figure is
 the median over every timed iteration of every repeat (an iteration's time is its slowest
-rank's); tokens/s = sequence length / that median. If DeepSpeed cannot start, the reason is
-recorded in place of its numbers.
+rank's); tokens/s = sequence length / that median. Each launch also times the local attention
+alone on the gathered shapes, between the engine's iterations; the difference of the medians
+("exchange ms") is what the engine's all-to-alls and reshapes cost, less blurred by the noise
+between launches on a shared machine. If DeepSpeed cannot start, the reason is recorded in
+place of its numbers.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def compare(worlds: list[int], lengths: list[int], iters: int, warmup: int, repe
     errors: dict[tuple[str, int], str] = {}
     versions: dict[str, str] = {}
     sums: dict[tuple[str, int, int], float] = {}
+    local: dict[tuple[str, int, int], list[float]] = {}
     for _ in range(repeat):
         for world in worlds:
             for engine, interpreter in engines.items():
@@ -92,6 +96,7 @@ def compare(worlds: list[int], lengths: list[int], iters: int, warmup: int, repe
                 versions[engine] = f"{out['version']} (torch {out['torch']})"
                 for row in out["lengths"]:
                     times.setdefault((engine, world, row["length"]), []).extend(row["times_s"])
+                    local.setdefault((engine, world, row["length"]), []).extend(row["local_attention_times_s"])
                     sums[(engine, world, row["length"])] = row["output_abs_sum"]
     rows = []
     for world in worlds:
@@ -101,13 +106,17 @@ def compare(worlds: list[int], lengths: list[int], iters: int, warmup: int, repe
                 samples = times.get((engine, world, length))
                 if samples:
                     median = statistics.median(samples)
+                    local_median = statistics.median(local[(engine, world, length)])
                     row[engine] = {"median_ms": round(median * 1e3, 2), "tokens_per_s": round(length / median),
-                                   "samples": len(samples)}
+                                   "samples": len(samples), "local_attention_ms": round(local_median * 1e3, 2),
+                                   "exchange_ms": round((median - local_median) * 1e3, 2)}
                 else:
                     row[engine] = {"error": errors.get((engine, world), "no result")}
             zs, ds = row["zeroshard"].get("tokens_per_s"), row.get("deepspeed", {}).get("tokens_per_s")
             if zs and ds:
                 row["ratio_zeroshard_over_deepspeed"] = round(zs / ds, 2)
+                row["exchange_ms_zeroshard_minus_deepspeed"] = round(
+                    row["zeroshard"]["exchange_ms"] - row["deepspeed"]["exchange_ms"], 2)
                 a, b = sums[("zeroshard", world, length)], sums[("deepspeed", world, length)]
                 row["outputs_agree"] = abs(a - b) <= 1e-4 * abs(b)  # fp32 sums in another order
             rows.append(row)
@@ -118,17 +127,19 @@ def compare(worlds: list[int], lengths: list[int], iters: int, warmup: int, repe
 def print_table(result: dict[str, Any]) -> None:
     print(f"\nUlysses DistributedAttention forward+backward, {result['shapes']}; gloo; median of "
           f"{result['iters']} iterations x {result['repeat']} launches; versions {result['versions']}")
-    print("world  length   zeroshard ms  tok/s     deepspeed ms  tok/s     zeroshard/deepspeed  outputs agree")
+    print("(exchange ms = the engine's median minus its local attention's median in the same launch)")
+    print("world  length   zeroshard ms  tok/s   exchange ms  deepspeed ms  tok/s   exchange ms  "
+          "zeroshard/deepspeed  outputs agree")
     for row in result["rows"]:
         cells = []
         for engine in ("zeroshard", "deepspeed"):
             cell = row.get(engine)
             if cell is None:
-                cells.append(f"{'-':<13} {'-':<9}")
+                cells.append(f"{'-':<13} {'-':<7} {'-':<12}")
             elif "error" in cell:
                 cells.append(f"not run: {cell['error']}")
             else:
-                cells.append(f"{cell['median_ms']:<13} {cell['tokens_per_s']:<9}")
+                cells.append(f"{cell['median_ms']:<13} {cell['tokens_per_s']:<7} {cell['exchange_ms']:<12}")
         ratio = row.get("ratio_zeroshard_over_deepspeed", "-")
         agree = row.get("outputs_agree", "-")
         print(f"{row['world']:<6} {row['length']:<8} {cells[0]} {cells[1]} {ratio!s:<20} {agree}")

@@ -8,8 +8,9 @@ dim]) at each sequence length, over gloo. `--engine zeroshard` uses
 it runs under the interpreter that has the engine (DeepSpeed lives in its own virtualenv).
 
 An iteration's time is the slowest rank's (max over ranks); rank 0 prints one `RESULT {json}`
-line with every iteration's time per length, and the sum of |output| over ranks (the inputs
-come from seeds, so both engines must print the same sum).
+line with every iteration's time per length (and the local attention's alone, see below), and
+the sum of |output| over ranks (the inputs come from seeds, so both engines must print the
+same sum).
 """
 
 from __future__ import annotations
@@ -60,19 +61,33 @@ def main() -> None:
         with torch.no_grad():  # the same inputs on both engines: their outputs must agree
             checksum = attn(q, k, v, 0).double().abs().sum().reshape(1)
         dist.all_reduce(checksum)
-        times = []
+        # The local attention alone on what each rank attends over (the whole sequence, its
+        # heads), timed in the same process between the engine's iterations: the engine's time
+        # minus this is what its all-to-alls cost, which launch-to-launch noise on a shared
+        # machine does not blur.
+        heads = HEADS // world + (rank < HEADS % world)
+        full = (1, length, heads, HEAD_DIM)
+        lq, lk, lv = (torch.randn(full, generator=gen).requires_grad_(True) for _ in range(3))
+        lgrad = torch.randn(full, generator=gen)
+        times, local_times = [], []
         for i in range(args.warmup + args.iters):
-            dist.barrier()
-            start = time.perf_counter()
-            attn(q, k, v, 0).backward(grad)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i >= args.warmup:
-                times.append(elapsed.item())
-        results.append({"length": length, "times_s": times, "output_abs_sum": checksum.item()})
+            for distributed, into in ((True, times), (False, local_times)):
+                dist.barrier()
+                start = time.perf_counter()
+                if distributed:
+                    attn(q, k, v, 0).backward(grad)
+                else:
+                    _causal_sdpa(lq, lk, lv).backward(lgrad)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if i >= args.warmup:
+                    into.append(elapsed.item())
+        results.append({"length": length, "times_s": times, "local_attention_times_s": local_times,
+                        "output_abs_sum": checksum.item()})
     if rank == 0:
         print("RESULT " + json.dumps({"engine": args.engine, "version": version, "world": world,
-                                      "torch": torch.__version__, "lengths": results}), flush=True)
+                                      "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                      "lengths": results}), flush=True)
     dist.destroy_process_group()
 
 
