@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import comm
-from .autosp_vit import _slice_lengths, gather_sequence
+from .gather import _slice_lengths, gather_sequence
 from .padding import current_valid_length
 
 __all__ = ["LlavaFusionAdapter", "InternVLFusionAdapter", "Qwen2VLFusionAdapter"]

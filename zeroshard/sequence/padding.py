@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
+from .gather import gather_sequence
 
 __all__ = [
     "current_valid_length",
@@ -111,8 +112,6 @@ def unshard_sequence(x: Tensor, group: Any, valid_length: int, dim: int = 1, has
     """The whole unpadded sequence from every rank's equal slice `x` (the inverse of
     `shard_sequence`; a replicated [CLS] token is taken from this rank). Differentiable: each
     rank's gradient covers its own slice."""
-    from .autosp_vit import gather_sequence  # autosp_vit imports this module
-
     group = comm.as_group(group)
     first = 1 if has_cls_token else 0
     body = x.narrow(dim, first, x.shape[dim] - first)
