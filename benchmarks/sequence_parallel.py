@@ -9,7 +9,15 @@ lengths. A rank's peak memory is its process's peak resident set (ru_maxrss) min
 before the first step, so it counts activations, gradients and optimizer state; the longest
 length whose peak stays within the budget on every rank is reported, with tokens/s of that
 step, and the activation part of the peak against `explain`'s prediction (1/P of SP 1's).
-DeepSpeed's Ulysses is not installed here, so no side-by-side tokens/s is measured.
+
+Then Ulysses attention alone, zeroshard against DeepSpeed in the same run (see
+benchmarks/sequence_attention.py): forward + backward tokens/s of `DistributedAttention` on
+this Llama's attention shapes at world sizes 2 and 4, DeepSpeed's under the interpreter of
+`--deepspeed-python` (a separate virtualenv; without the flag only zeroshard's column):
+
+    python benchmarks/sequence_parallel.py --deepspeed-python /path/to/dsvenv/bin/python
+
+Writes everything to `--json` (default benchmarks/results/sequence_parallel.json).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from sequence_attention import compare, print_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,11 +92,33 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=400)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--deepspeed-python", help="interpreter with DeepSpeed installed: adds its column")
+    parser.add_argument("--attention-worlds", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--attention-lengths", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--attention-iters", type=int, default=10)
+    parser.add_argument("--attention-repeat", type=int, default=2)
+    parser.add_argument("--skip-memory", action="store_true", help="only the attention comparison")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "sequence_parallel.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.lengths, args.budget_mib)
         return
+    rows = [] if args.skip_memory else memory_sweep(args)
+    attention = None
+    if args.attention_worlds:
+        attention = compare(args.attention_worlds, args.attention_lengths, args.attention_iters, 2,
+                            args.attention_repeat, args.deepspeed_python, sys.executable)
+        print_table(attention)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "budget_mib": args.budget_mib,
+                               "load_avg_1min": os.getloadavg()[0], "memory": rows, "attention": attention},
+                              indent=1))
+    print(f"wrote {out}")
+
+
+def memory_sweep(args: argparse.Namespace) -> list[dict]:
     rows = []
     for sp in args.sizes:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(sp),
@@ -110,6 +142,7 @@ def main() -> None:
         else:
             print(f"{row['sp']:<3} none fits")
         print(f"    all steps: {row['steps']}")
+    return rows
 
 
 if __name__ == "__main__":

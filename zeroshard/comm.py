@@ -366,20 +366,24 @@ def all_to_all_single(
     *,
     group: Group,
     tag: str = "",
-) -> torch.Tensor:
+    async_op: bool = False,
+):
     """Send the i-th slice of `input` (along dim 0) to group rank i; slice j of `output` is what
     group rank j sent. Equal slices when the split sizes are None, as torch's function.
 
-    Recorded with the elements this rank sends. On a group of one, `output` is a copy of `input`.
+    Returns `output`, or with `async_op` a handle whose `wait()` must be called before `output`
+    is read (None if nothing to wait for). Recorded with the elements this rank sends. On a
+    group of one, `output` is a copy of `input`.
     """
     if _check(group).size == 1:
         output.copy_(input)
-        return output
+        return None if async_op else output
     _record("all_to_all", input, input.numel(), tag, group)
-    dist.all_to_all_single(
-        output, input.contiguous(), output_split_sizes, input_split_sizes, group=group.handle
+    work = _call(
+        _describe("all_to_all", tag, group), dist.all_to_all_single, output, input.contiguous(),
+        output_split_sizes, input_split_sizes, group=group.handle, async_op=async_op,
     )
-    return output
+    return work if async_op else output
 
 
 def group_of(handle: object) -> Group:

@@ -2,7 +2,11 @@
 computation at world sizes 2 and 4, with slices of different lengths: InternVL's vision
 attention (a [CLS] token) and Qwen2-VL's (no CLS, two images in cu_seqlens, rotary embeddings
 gathered with the patches); the LLaVA, InternVL and Qwen2-VL fusion adapters. Outputs, input
-gradients and parameter gradients (replicated ones summed over ranks).
+gradients and parameter gradients (replicated ones summed over ranks). Then the same with
+lengths 7 and 13 padded to a multiple of the ranks (shard_sequence, padded_sequence): the real
+positions equal the single-device result on the unpadded sequence, padded outputs are zero
+(attention) or the text embedding (fusion), the loss and gradients leave the padding out, and
+unshard_sequence gives the whole unpadded output back.
 
 Tolerance (fp32): atol 1e-6, rtol 1e-5: the wrapped attention runs on the same whole sequence;
 gradients of replicated inputs are sums over ranks instead of one sum.
@@ -13,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.scenarios.autosp import all_cases, auto_wrap
+from tests.dist.scenarios.autosp import all_cases, auto_wrap, padded_cases
 
 TIMEOUT_S = 300
 
@@ -25,7 +29,11 @@ def _check(pair, label: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_autosp_equals_single_device(dist_pool, world: int) -> None:
-    for rank, cases in enumerate(dist_pool(world).run(all_cases, timeout=TIMEOUT_S)):
+    pool = dist_pool(world)
+    runs = [{**uneven, **padded} for uneven, padded in zip(pool.run(all_cases, timeout=TIMEOUT_S),
+                                                            pool.run(padded_cases, timeout=TIMEOUT_S), strict=True)]
+    for rank, cases in enumerate(runs):
+        assert len(cases) == 5 + 10, sorted(cases)
         for case, result in cases.items():
             for key, value in result.items():
                 if key == "params":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.scenarios.sequence_hf import adapter, equality, eval_and_paths, hub_kernel, refusals
+from tests.dist.scenarios.sequence_hf import adapter, equality, eval_and_paths, hub_kernel, padded_alst, refusals
 
 TIMEOUT_S = 600
 # fp32. The same per-head attention on the same numbers; what differs is how heads are batched
@@ -39,6 +39,26 @@ def test_alst_equals_the_whole_sequence(dist_pool, world: int) -> None:
                 torch.testing.assert_close(
                     result["grads"][name], ref, atol=ATOL, rtol=RTOL, msg=lambda m, s=label, n=name: f"{s}: {n}: {m}"
                 )
+
+
+PADDED = {2: [("sdpa", 7)], 4: [("eager", 13)]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_alst_pads_sequences_not_divisible_by_p(dist_pool, world: int) -> None:
+    """Lengths 7 and 13 through UlyssesSPDataLoaderAdapter (padded to a multiple of P, the
+    padding labelled -100 and after every real token, so causal attention never reaches it):
+    the real positions' logits, the token-weighted loss and the gradients equal the model's on
+    the unpadded batch. Same tolerance as above."""
+    runs = dist_pool(world).run(padded_alst, PADDED[world], timeout=TIMEOUT_S)
+    for rank, results in enumerate(runs):
+        assert len(results) == world * len(PADDED[world])
+        for i, result in enumerate(results):
+            label = f"rank {rank} micro-batch {i}"
+            for key in ("logits", "loss"):
+                torch.testing.assert_close(*result[key], atol=ATOL, rtol=RTOL, msg=lambda m, s=label, k=key: f"{s} {k}: {m}")
+            for name, pair in result["grads"].items():
+                torch.testing.assert_close(*pair, atol=ATOL, rtol=RTOL, msg=lambda m, s=label, n=name: f"{s} {n}: {m}")
 
 
 def test_eval_path_registry_and_refusals(dist_pool) -> None:

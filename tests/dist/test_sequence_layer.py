@@ -5,7 +5,9 @@ the tensor rebuilt from every rank's input) and the inverse must undo it exactly
 `DistributedAttention` around causal SDPA must equal single-process attention on the whole
 sequence: the output and the query, key and value gradients, with heads that do not divide
 the ranks, grouped-query attention with fewer key/value heads than ranks, both layouts, and
-sequence groups that are part of the world (2 data x 2 sequence).
+sequence groups that are part of the world (2 data x 2 sequence), and with an `sp_stream`
+(on CPU the query, key and value all-to-alls are issued asynchronously together whether or
+not one is given; the stream object itself must not be touched).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ ATTENTION = {
         AttentionCase(4, 1),  # MQA
         AttentionCase(4, 4, rotary=True),
         AttentionCase(4, 2, batch_dim_idx=1, rotary=True),
+        AttentionCase(5, 5, sp_stream=True),
+        AttentionCase(4, 1, batch_dim_idx=1, sp_stream=True, rotary=True),
     ],
     4: [
         AttentionCase(8, 8),
@@ -47,6 +51,8 @@ ATTENTION = {
         AttentionCase(6, 2, batch_dim_idx=1),
         AttentionCase(4, 2, sp=2),  # 2 data x 2 sequence
         AttentionCase(5, 5, sp=2, torch_group=True, rotary=True),
+        AttentionCase(6, 3, sp_stream=True),
+        AttentionCase(4, 2, sp=2, batch_dim_idx=1, sp_stream=True),
     ],
 }
 

@@ -12,7 +12,9 @@ single-device gradient.
 `forward(visual_features, text_embeds, input_ids)`: visual features `[..., dim_in]` (all of
 them, rows in placeholder order), this rank's `text_embeds` `[batch, local, dim]` and
 `input_ids` `[batch, local]`; returns the fused `[batch, local, dim]`. Slices may have any
-lengths (no padding is needed here; pad before slicing if your sharding requires it).
+lengths; equal slices of a padded sequence (`padding.shard_sequence`) work inside
+`padding.padded_sequence(valid_length)`: no visual feature goes to a padded position (even
+when the padding id is a placeholder id), and padded rows keep their text embedding.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import comm
-from .autosp_vit import _slice_lengths, gather_sequence
+from .gather import _slice_lengths, gather_sequence
+from .padding import current_valid_length
 
 __all__ = ["LlavaFusionAdapter", "InternVLFusionAdapter", "Qwen2VLFusionAdapter"]
 
@@ -43,6 +46,9 @@ class _FusionAdapter(nn.Module):
         with torch.no_grad():
             full_ids = gather_sequence(input_ids, group, 1)
             full_mask = self.visual_positions(full_ids)
+            valid = current_valid_length()
+            if valid is not None:
+                full_mask[:, valid:] = False
             order = full_mask.flatten().cumsum(0).view_as(full_mask) - 1  # row of each visual position
             start = sum(_slice_lengths(input_ids.shape[1], group, input_ids.device)[: group.rank])
             mine = slice(start, start + input_ids.shape[1])

@@ -8,8 +8,11 @@ attention (MLPs, norms) stays on 1/P of the patches.
 
 Slices may differ in length by any amount (P need not divide the patch count): lengths are
 exchanged first and the padding that makes the all-gather's pieces equal is removed before
-the attention sees the sequence, so no padding token is ever attended to and no mask needs
-patching. A `[CLS]` token (`has_cls_token=True`) is replicated: every rank holds it first in
+the attention sees the sequence. Equal slices of a padded sequence (`padding.shard_sequence`)
+work too: inside `padding.padded_sequence(valid_length)` each rank drops its padded patches
+before the gather, so padding is never a key (the mask is patched by leaving it out, which an
+opaque module and Qwen2-VL's real-patch `cu_seqlens` both accept), and padded rows of the output
+are zero. A `[CLS]` token (`has_cls_token=True`) is replicated: every rank holds it first in
 its slice, it is put once in front of the gathered patches, and every rank gets its output.
 
 Gradients: the gather is differentiable; a patch's input gradient is the sum over ranks of
@@ -26,41 +29,10 @@ import torch
 from torch import Tensor, nn
 
 from .. import comm
+from .gather import _slice_lengths, gather_sequence
+from .padding import current_valid_length, real_positions
 
 __all__ = ["UlyssesSPViTAttention", "gather_sequence"]
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Concatenate every rank's slice along `dim` (slices of any length)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: comm.Group, dim: int) -> Tensor:
-        lengths = torch.tensor([x.shape[dim]], dtype=torch.long, device=x.device)
-        all_lengths = lengths.new_empty(group.size)
-        comm.all_gather(all_lengths, lengths, group=group, tag="sequence")
-        sizes = all_lengths.tolist()
-        longest = max(sizes)
-        moved = x.movedim(dim, 0)
-        padded = moved.new_zeros((longest, *moved.shape[1:]))
-        padded[: moved.shape[0]] = moved
-        gathered = padded.new_empty((group.size * longest, *moved.shape[1:]))
-        comm.all_gather(gathered, padded.contiguous(), group=group, tag="sequence")
-        pieces = [gathered[r * longest : r * longest + n] for r, n in enumerate(sizes)]
-        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
-        return torch.cat(pieces).movedim(0, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        # Every rank's output depends on every slice: sum the gradients, keep this rank's rows.
-        total = grad.contiguous().clone()
-        comm.all_reduce(total, group=ctx.group, tag="sequence")
-        start = sum(ctx.sizes[: ctx.group.rank])
-        return total.narrow(ctx.dim, start, ctx.sizes[ctx.group.rank]), None, None
-
-
-def gather_sequence(x: Tensor, group: Any, dim: int) -> Tensor:
-    """Every rank's slice of `x` concatenated along `dim` in group-rank order (differentiable)."""
-    return _GatherSequence.apply(x, comm.as_group(group), dim)
 
 
 class UlyssesSPViTAttention(nn.Module):
@@ -88,17 +60,18 @@ class UlyssesSPViTAttention(nn.Module):
         dim = hidden_states.dim() - 2
         local = hidden_states.shape[dim]
         first = 1 if self.has_cls_token else 0
+        real = real_positions(local - first, current_valid_length(), group)  # this rank's unpadded patches
 
         def gathered(t: Any) -> Any:
             if isinstance(t, tuple):
                 return tuple(gathered(v) for v in t)
             if torch.is_tensor(t) and t.dim() >= 2 and t.shape[t.dim() - 2] == local and t is not hidden_states:
                 d = t.dim() - 2
-                rest = gather_sequence(t.narrow(d, first, local - first), group, d)
+                rest = gather_sequence(t.narrow(d, first, real), group, d)
                 return torch.cat((t.narrow(d, 0, first), rest), d)
             return t
 
-        patches = hidden_states.narrow(dim, first, local - first)
+        patches = hidden_states.narrow(dim, first, real)
         full = gather_sequence(patches, group, dim)
         if first:
             full = torch.cat((hidden_states.narrow(dim, 0, 1), full), dim)
@@ -107,16 +80,13 @@ class UlyssesSPViTAttention(nn.Module):
         result = self.attn(full, *args, **kwargs)
         out, extra = (result[0], tuple(result[1:])) if isinstance(result, tuple) else (result, None)
         # This rank's patches start after the CLS token and every earlier rank's patches.
-        sizes = _slice_lengths(local - first, group, out.device)
+        sizes = _slice_lengths(real, group, out.device)
         start = first + sum(sizes[: group.rank])
-        mine = out.narrow(dim, start, local - first)
+        mine = out.narrow(dim, start, real)
         if first:
             mine = torch.cat((out.narrow(dim, 0, 1), mine), dim)
+        if real < local - first:  # padded patches: zero rows, so the output keeps the input's shape
+            shape = list(mine.shape)
+            shape[dim] = local - first - real
+            mine = torch.cat((mine, mine.new_zeros(shape)), dim)
         return mine if extra is None else (mine, *extra)
-
-
-def _slice_lengths(n: int, group: comm.Group, device: torch.device) -> list[int]:
-    lengths = torch.tensor([n], dtype=torch.long, device=device)
-    everyone = lengths.new_empty(group.size)
-    comm.all_gather(everyone, lengths, group=group, tag="sequence")
-    return everyone.tolist()

@@ -31,6 +31,7 @@ __all__ = [
     "DistributedAttention",
     "_SeqAllToAll",
     "exchange_heads",
+    "exchange_overlapped",
     "head_counts",
     "heads_to_sequence",
     "kv_selection",
@@ -45,24 +46,50 @@ def head_counts(num_heads: int, world: int) -> list[int]:
     return [base + (r < extra) for r in range(world)]
 
 
+class _InFlight:
+    """An all-to-all issued but maybe not finished: `result()` waits and shapes what arrived."""
+
+    def __init__(self, recv: Tensor, work: Any, finish: Any) -> None:
+        self.recv, self.work, self.finish = recv, work, finish
+
+    def result(self) -> Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.finish(self.recv)
+
+
+def start_heads_to_sequence(
+    x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int], async_op: bool = False
+) -> _InFlight:
+    """Issue `heads_to_sequence` (asynchronously with `async_op`); `.result()` gives its output."""
+    world, mine = group.size, counts[group.rank]
+    send = x.movedim(head_dim, 0).contiguous()  # (H, *rest): rank j's heads are consecutive rows
+    recv = send.new_empty((world * mine, *send.shape[1:]))
+    work = comm.all_to_all_single(
+        recv, send, [mine] * world, list(counts), group=group, tag="sequence", async_op=async_op
+    )
+
+    def finish(recv: Tensor) -> Tensor:
+        # (P * h, *rest) -> (P, *x's dims with h heads); then P joins the sequence it came from.
+        out = recv.view(world, mine, *send.shape[1:]).movedim(1, 1 + head_dim)
+        return out.movedim(0, seq_dim).flatten(seq_dim, seq_dim + 1)
+
+    return _InFlight(recv, work if async_op else None, finish)
+
+
 def heads_to_sequence(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int]) -> Tensor:
     """Every head on this rank's sequence chunk -> `counts[rank]` heads on the whole sequence.
 
     `x` holds sum(counts) heads; rank j receives heads [sum(counts[:j]), sum(counts[:j+1])).
     The sequence is gathered in group-rank order along `seq_dim`.
     """
-    world, mine = group.size, counts[group.rank]
-    send = x.movedim(head_dim, 0).contiguous()  # (H, *rest): rank j's heads are consecutive rows
-    recv = send.new_empty((world * mine, *send.shape[1:]))
-    comm.all_to_all_single(recv, send, [mine] * world, list(counts), group=group, tag="sequence")
-    # (P * h, *rest) -> (P, *x's dims with h heads); then P joins the sequence it came from.
-    out = recv.view(world, mine, *send.shape[1:]).movedim(1, 1 + head_dim)
-    return out.movedim(0, seq_dim).flatten(seq_dim, seq_dim + 1)
+    return start_heads_to_sequence(x, group, head_dim, seq_dim, counts).result()
 
 
-def sequence_to_heads(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int]) -> Tensor:
-    """`counts[rank]` heads on the whole sequence -> every head on this rank's sequence chunk
-    (the inverse of `heads_to_sequence` with the same `counts`)."""
+def start_sequence_to_heads(
+    x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int], async_op: bool = False
+) -> _InFlight:
+    """Issue `sequence_to_heads` (asynchronously with `async_op`); `.result()` gives its output."""
     world = group.size
     seq = x.shape[seq_dim]
     if seq % world:
@@ -70,15 +97,90 @@ def sequence_to_heads(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int,
     chunk = x.unflatten(seq_dim, (world, seq // world)).movedim(seq_dim, 0).contiguous()  # (P, *x's dims)
     per_head = chunk[0].numel() // max(counts[group.rank], 1)
     recv = x.new_empty(sum(counts) * per_head)
-    comm.all_to_all_single(
-        recv, chunk.view(-1), [c * per_head for c in counts], None, group=group, tag="sequence"
+    work = comm.all_to_all_single(
+        recv, chunk.view(-1), [c * per_head for c in counts], None, group=group, tag="sequence", async_op=async_op
     )
-    shape = list(chunk.shape[1:])
-    pieces = []
-    for part, count in zip(recv.split([c * per_head for c in counts]), counts, strict=True):
-        shape[head_dim] = count
-        pieces.append(part.view(shape))
-    return torch.cat(pieces, dim=head_dim)
+
+    def finish(recv: Tensor) -> Tensor:
+        shape = list(chunk.shape[1:])
+        pieces = []
+        for part, count in zip(recv.split([c * per_head for c in counts]), counts, strict=True):
+            shape[head_dim] = count
+            pieces.append(part.view(shape))
+        return torch.cat(pieces, dim=head_dim)
+
+    return _InFlight(recv, work if async_op else None, finish)
+
+
+def sequence_to_heads(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int]) -> Tensor:
+    """`counts[rank]` heads on the whole sequence -> every head on this rank's sequence chunk
+    (the inverse of `heads_to_sequence` with the same `counts`)."""
+    return start_sequence_to_heads(x, group, head_dim, seq_dim, counts).result()
+
+
+def exchange_overlapped(
+    items: list[tuple[Tensor, list[int]]],
+    group: comm.Group,
+    head_dim: int,
+    seq_dim: int,
+    to_sequence: bool,
+    stream: Any = None,
+) -> list[Tensor]:
+    """Several head/sequence exchanges (query, key, value), overlapped; results in order.
+
+    With a CUDA `stream` (DeepSpeed's `sp_stream`) and CUDA tensors, the first item's exchange
+    runs on the current stream while the others run on `stream`: the side stream first waits
+    for the current one (the inputs were made there), the current one waits for the side
+    stream before the results are used, and `record_stream` keeps each tensor that crosses
+    streams alive until the stream using it is done. Otherwise (CPU, or no stream) every
+    exchange is issued asynchronously and then waited for in order, so gloo moves them
+    concurrently; the numbers are the same either way.
+    """
+    start = start_heads_to_sequence if to_sequence else start_sequence_to_heads
+    first = items[0][0]
+    if stream is not None and first.is_cuda and isinstance(stream, torch.cuda.Stream):
+        current = torch.cuda.current_stream(first.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            side = [start(t, group, head_dim, seq_dim, counts, async_op=True) for t, counts in items[1:]]
+            for t, _ in items[1:]:
+                t.record_stream(stream)
+        mine = start(first, group, head_dim, seq_dim, items[0][1]).result()
+        with torch.cuda.stream(stream):
+            side_results = [flight.result() for flight in side]
+        current.wait_stream(stream)
+        for result in side_results:
+            result.record_stream(current)
+        return [mine, *side_results]
+    flights = [start(t, group, head_dim, seq_dim, counts, async_op=True) for t, counts in items]
+    return [flight.result() for flight in flights]
+
+
+class _QKVExchange(torch.autograd.Function):
+    """Query, key and value to (or from) the head split in one overlapped step; the backward
+    is the overlapped inverse exchange of their gradients."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        group: comm.Group,
+        head_dim: int,
+        seq_dim: int,
+        counts: tuple[list[int], ...],
+        stream: Any,
+        *tensors: Tensor,
+    ) -> tuple[Tensor, ...]:
+        ctx.args = (group, head_dim, seq_dim, counts, stream)
+        items = list(zip(tensors, counts, strict=True))
+        return tuple(exchange_overlapped(items, group, head_dim, seq_dim, True, stream))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        group, head_dim, seq_dim, counts, stream = ctx.args
+        grads_in = exchange_overlapped(
+            [(g.contiguous(), c) for g, c in zip(grads, counts, strict=True)], group, head_dim, seq_dim, False, stream
+        )
+        return (None, None, None, None, None, *grads_in)
 
 
 class _HeadSequenceExchange(torch.autograd.Function):
@@ -212,7 +314,9 @@ class DistributedAttention(torch.nn.Module):
         scatter_idx: the heads dimension (scattered on the way in).
         gather_idx: DeepSpeed's gather index; the sequence dimension is the one of 0, 1 that
             `batch_dim_idx` does not name.
-        sp_stream: accepted for DeepSpeed compatibility; communication uses the current stream.
+        sp_stream: a side CUDA stream (DeepSpeed's): the key and value all-to-alls run on it while
+            the query's runs on the current stream (forward and backward). Ignored for CPU
+            tensors, where the three all-to-alls are always issued asynchronously together.
         num_kv_heads: the key/value head count, checked against `key` when given.
     """
 
@@ -258,12 +362,10 @@ class DistributedAttention(torch.nn.Module):
             index = torch.tensor(selection, device=key.device)
             key, value = key.index_select(head_dim, index), value.index_select(head_dim, index)
 
-        def gather(t: Tensor, counts: list[int]) -> Tensor:
-            return _SeqAllToAll.apply(
-                group, t, self.scatter_idx, self.gather_idx, batch_dim_idx, None, None, None, True, counts
-            )
-
-        q, k, v = gather(query, q_counts), gather(key, kv_counts), gather(value, kv_counts)
+        _, seq_dim = _dims(self.scatter_idx, self.gather_idx, batch_dim_idx)
+        q, k, v = _QKVExchange.apply(
+            group, head_dim, seq_dim, (q_counts, kv_counts, kv_counts), self.sp_stream, query, key, value
+        )
         if rotary_pos_emb is not None:
             cos, sin = (f.transpose(0, 1) if batch_dim_idx == 1 else f for f in rotary_pos_emb)
             q = _apply_rotary(q, cos, sin)

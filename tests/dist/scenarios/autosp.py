@@ -19,6 +19,7 @@ from torch import nn
 from zeroshard.sequence.auto_sp import auto_wrap_model_for_sp
 from zeroshard.sequence.autosp_fusion import InternVLFusionAdapter, LlavaFusionAdapter, Qwen2VLFusionAdapter
 from zeroshard.sequence.autosp_vit import UlyssesSPViTAttention
+from zeroshard.sequence.padding import padded_sequence, shard_sequence, unshard_sequence, valid_positions
 
 
 def _slices(n: int, world: int) -> list[tuple[int, int]]:
@@ -194,3 +195,149 @@ def auto_wrap() -> dict[str, Any]:
     second = [type(m).__name__ for m in (model.vision[0], model.vision[1], model.decoder)]
     inner = [type(model.vision[0].attn).__name__, type(model.vision[1].attn).__name__]
     return {"first": first, "second": second, "cls": cls_flags, "inner": inner}
+
+
+# Padded: the whole sequence is padded to a multiple of the ranks and cut into equal slices
+# (shard_sequence); the wrappers run inside padded_sequence(valid_length). The loss counts real
+# positions only (valid_positions); the input gradient is that of the whole unpadded input,
+# summed over the ranks (each rank's slice, and the replicated CLS, flow back into it).
+
+
+def _padded_checks(out, full_in, ref_out, ref_in_grad, mask, dim, first, valid, params, ref_params):
+    group = dist.group.WORLD
+    body = out.narrow(dim, first, out.shape[dim] - first)
+    real = int(mask.sum())
+    rank_start = dist.get_rank() * body.shape[dim]
+    ref_body = ref_out.narrow(dim, first, ref_out.shape[dim] - first)
+    return {
+        "out_real": (body.narrow(dim, 0, real).detach(), ref_body.narrow(dim, rank_start, real).detach()),
+        "out_padding_zero": (body.narrow(dim, real, body.shape[dim] - real).detach(),
+                             torch.zeros_like(body.narrow(dim, real, body.shape[dim] - real))),
+        "unsharded": (unshard_sequence(out.detach(), group, valid, dim, has_cls_token=bool(first)), ref_out.detach()),
+        "grad_input": (_summed(full_in.grad), ref_in_grad),
+        "params": {n: (params[n], ref_params[n]) for n in ref_params},
+    }
+
+
+def internvl_attention_padded(patches: int) -> dict[str, Any]:
+    from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
+    from transformers.models.internvl.modeling_internvl import InternVLVisionAttention
+
+    torch.manual_seed(0)
+    config = InternVLVisionConfig(hidden_size=32, num_attention_heads=4, attn_implementation="sdpa")
+    attn = InternVLVisionAttention(config)
+    rank, group = dist.get_rank(), dist.group.WORLD
+    full = torch.randn(2, 1 + patches, 32)
+    weights = torch.randn(2, 1 + patches, 32)
+
+    ref_in = full.clone().requires_grad_(True)
+    ref_out = attn(ref_in)[0]
+    (ref_out * weights).sum().backward()
+    ref_grad, ref_params = ref_in.grad, _param_grads(attn)
+    attn.zero_grad(set_to_none=True)
+
+    full_in = full.clone().requires_grad_(True)
+    local = shard_sequence(full_in, group, dim=1, has_cls_token=True)
+    with padded_sequence(patches):
+        out = UlyssesSPViTAttention(attn, group, has_cls_token=True)(local)[0]
+        mask = valid_positions(local.shape[1] - 1, group)
+    local_weights = shard_sequence(weights, group, dim=1, has_cls_token=True)
+    keep = torch.cat((torch.tensor([rank == 0]), mask)).view(1, -1, 1)  # CLS counted once; no padding
+    (out * local_weights * keep).sum().backward()
+    params = {n: _summed(g) for n, g in _param_grads(attn).items()}
+    return _padded_checks(out, full_in, ref_out, ref_grad, mask, 1, 1, patches, params, ref_params)
+
+
+def qwen2vl_attention_padded(patches: int) -> dict[str, Any]:
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
+
+    torch.manual_seed(0)
+    config = Qwen2VLVisionConfig(embed_dim=32, num_heads=4, attn_implementation="sdpa")
+    attn = VisionAttention(config)
+    group = dist.group.WORLD
+    full = torch.randn(patches, 32)
+    weights = torch.randn(patches, 32)
+    cu_seqlens = torch.tensor([0, 3, patches], dtype=torch.int32)  # two images, real patches only
+    angles = torch.randn(patches, 4)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+
+    ref_in = full.clone().requires_grad_(True)
+    ref_out = attn(ref_in, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
+    (ref_out * weights).sum().backward()
+    ref_grad, ref_params = ref_in.grad, _param_grads(attn)
+    attn.zero_grad(set_to_none=True)
+
+    full_in = full.clone().requires_grad_(True)
+    local = shard_sequence(full_in, group, dim=0)
+    rotary = (shard_sequence(cos, group, dim=0), shard_sequence(sin, group, dim=0))
+    with padded_sequence(patches):
+        out = UlyssesSPViTAttention(attn, group, has_cls_token=False)(
+            local, cu_seqlens=cu_seqlens, position_embeddings=rotary)
+        mask = valid_positions(local.shape[0], group)
+    (out * shard_sequence(weights, group, dim=0) * mask.view(-1, 1)).sum().backward()
+    params = {n: _summed(g) for n, g in _param_grads(attn).items()}
+    return _padded_checks(out, full_in, ref_out, ref_grad, mask, 0, 0, patches, params, ref_params)
+
+
+def fusion_padded(kind: str, length: int) -> dict[str, Any]:
+    """The token ids are padded with the placeholder id itself: the padding must still get no
+    visual feature."""
+    torch.manual_seed(0)
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(length)
+    if kind == "qwen2vl":
+        ids = torch.randint(1, 4, (2, length), generator=gen)
+        ids[:, 1], ids[:, 4] = 7, 8  # visual positions 2..3
+        ids[1, 5] = 7  # an image still open at the end: its tokens up to the end are visual
+        pad_id = 6
+    else:
+        ids = torch.where(torch.rand(2, length, generator=gen) < 0.5, 5, 1)
+        pad_id = 5
+    mask = _visual_mask_reference(ids, kind)
+    projection = nn.Linear(12, 16)
+    visual = torch.randn(int(mask.sum()), 12)
+    embeds = torch.randn(2, length, 16)
+    weights = torch.randn(2, length, 16)
+
+    ref_visual, ref_embeds = visual.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
+    ref_out = ref_embeds.masked_scatter(mask.unsqueeze(-1), projection(ref_visual))
+    (ref_out * weights).sum().backward()
+    ref_params = _param_grads(projection)
+    projection.zero_grad(set_to_none=True)
+
+    if kind == "llava":
+        adapter = LlavaFusionAdapter(projection, group, image_token_id=5)
+    elif kind == "internvl":
+        adapter = InternVLFusionAdapter(projection, group, image_token_id=5)
+    else:
+        adapter = Qwen2VLFusionAdapter(projection, group, vision_start_token_id=7, vision_end_token_id=8)
+    local_visual, full_embeds = visual.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
+    local_embeds = shard_sequence(full_embeds, group, dim=1)
+    local_ids = shard_sequence(ids, group, dim=1, value=pad_id)
+    with padded_sequence(length):
+        out = adapter(local_visual, local_embeds, local_ids)
+        keep = valid_positions(local_ids.shape[1], group)
+    (out * shard_sequence(weights, group, dim=1) * keep.view(1, -1, 1)).sum().backward()
+    params = {n: _summed(g) for n, g in _param_grads(projection).items()}
+    real = int(keep.sum())
+    start = dist.get_rank() * local_ids.shape[1]
+    return {
+        "out_real": (out[:, :real].detach(), ref_out.detach()[:, start : start + real]),
+        "padding_is_text": (out[:, real:].detach(), local_embeds[:, real:].detach()),
+        "unsharded": (unshard_sequence(out.detach(), group, length, 1), ref_out.detach()),
+        "grad_embeds": (_summed(full_embeds.grad), ref_embeds.grad),
+        "grad_visual": (_summed(local_visual.grad), ref_visual.grad),
+        "params": {n: (params[n], ref_params[n]) for n in ref_params},
+    }
+
+
+def padded_cases() -> dict[str, Any]:
+    """Lengths 7 and 13 (neither divides 2 or 4)."""
+    cases: dict[str, Any] = {}
+    for n in (7, 13):
+        cases[f"internvl_attention_padded_{n}"] = internvl_attention_padded(n)
+        cases[f"qwen2vl_attention_padded_{n}"] = qwen2vl_attention_padded(n)
+        for kind in ("llava", "internvl", "qwen2vl"):
+            cases[f"fusion_{kind}_padded_{n}"] = fusion_padded(kind, n)
+    return cases

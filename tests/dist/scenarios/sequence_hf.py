@@ -182,3 +182,66 @@ def adapter(seq: int) -> list[dict[str, Any]]:
     out = [dict(b) for b in dl]
     again = [dict(b) for b in dl]  # a second epoch starts over
     return [out, again, len(dl)]
+
+
+class _OneBatch:
+    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.batch = batch
+
+    def __iter__(self):
+        return iter([self.batch])
+
+    def __len__(self) -> int:
+        return 1
+
+
+def padded_alst(cases: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """(attn, seq) with seq not divisible by the world: every rank's loader yields its own batch;
+    the adapter pads to a multiple of P. For each of the P micro-batches, this rank's logits on
+    its real positions, the token-weighted loss and the group-summed gradients, with the model's
+    on the unpadded batch (mean token loss)."""
+    from zeroshard.sequence.loss import token_weighted_loss
+
+    results = []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for attn, seq in cases:
+        model = tiny_llama(attn)
+        sources = []
+        for r in range(world):
+            gen = torch.Generator().manual_seed(1000 * seq + r)
+            ids = torch.randint(1, VOCAB, (2, seq), generator=gen)
+            labels = ids.clone()
+            labels[1, :3] = -100  # prompt tokens, not counted
+            sources.append({"input_ids": ids, "labels": labels})
+        refs = []
+        for source in sources:
+            logits = model(input_ids=source["input_ids"]).logits
+            shifted = _shift(source["labels"])
+            (_summed_loss(logits, shifted) / (shifted != -100).sum()).backward()
+            refs.append((logits.detach(), _summed_loss(logits, shifted).detach() / (shifted != -100).sum(),
+                         {n: p.grad.clone() for n, p in model.named_parameters()}))
+            model.zero_grad(set_to_none=True)
+
+        mpu = UlyssesSPAttentionHF.register_with_transformers(model, attn, world, 2)
+        try:
+            group = mpu.get_sequence_parallel_group()
+            loader = UlyssesSPDataLoaderAdapter(_OneBatch(sources[rank]), rank, group, world, torch.device("cpu"))
+            for micro, (ref_logits, ref_loss, ref_grads) in zip(loader, refs, strict=True):
+                shift_labels = micro.pop("shift_labels")
+                logits = model(**micro).logits
+                loss_sum = _summed_loss(logits, shift_labels)
+                loss = token_weighted_loss(loss_sum, (shift_labels != -100).sum(), group)
+                loss.backward()
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=group)
+                local = logits.shape[1]
+                real = max(0, min(local, seq - rank * local))
+                results.append({
+                    "logits": (logits.detach()[:, :real], ref_logits[:, rank * local : rank * local + real]),
+                    "loss": (loss.detach(), ref_loss),
+                    "grads": {n: (p.grad.clone(), ref_grads[n]) for n, p in model.named_parameters()},
+                })
+                model.zero_grad(set_to_none=True)
+        finally:
+            UlyssesSPAttentionHF.unregister_from_transformers()
+    return results

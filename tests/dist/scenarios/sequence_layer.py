@@ -29,6 +29,8 @@ class AttentionCase:
         sp: sequence-parallel size (the world, or consecutive groups of `sp` ranks).
         torch_group: pass a torch ProcessGroup instead of a zeroshard Group.
         rotary: apply rotary embeddings through `rotary_pos_emb`.
+        sp_stream: pass a stream-like object as `sp_stream` (CPU tensors: it must be ignored,
+            touching it raises).
     """
 
     heads: int
@@ -37,6 +39,7 @@ class AttentionCase:
     sp: int | None = None
     torch_group: bool = False
     rotary: bool = False
+    sp_stream: bool = False
     batch: int = 2
     seq_per_rank: int = 3
     head_size: int = 8
@@ -45,8 +48,15 @@ class AttentionCase:
     def label(self) -> str:
         return (
             f"H={self.heads} KV={self.kv_heads} batch_dim={self.batch_dim_idx} sp={self.sp} "
-            f"torch_group={self.torch_group} rotary={self.rotary}"
+            f"torch_group={self.torch_group} rotary={self.rotary} sp_stream={self.sp_stream}"
         )
+
+
+class _UntouchableStream:
+    """Stands in for a CUDA stream on CPU: DistributedAttention must not use it there."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"sp_stream.{name} used with CPU tensors")
 
 
 def _sequence_group(sp: int | None) -> comm.Group:
@@ -142,7 +152,8 @@ def attention(cases: list[AttentionCase]) -> list[dict[str, Any]]:
         span = slice(case.seq_per_rank * r, case.seq_per_rank * (r + 1))
         local = [_layout(t[:, span], case.batch_dim_idx).clone().requires_grad_(True) for t in (q, k, v)]
         spg = group.handle if case.torch_group else group
-        attn = DistributedAttention(_sdpa(case.batch_dim_idx), spg, num_kv_heads=case.kv_heads)
+        stream = _UntouchableStream() if case.sp_stream else None
+        attn = DistributedAttention(_sdpa(case.batch_dim_idx), spg, sp_stream=stream, num_kv_heads=case.kv_heads)
         rotary = (cos, sin) if case.rotary else None
         out = attn(*local, case.batch_dim_idx, rotary)
         out.backward(_layout(grad_out[:, span], case.batch_dim_idx))
