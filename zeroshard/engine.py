@@ -125,6 +125,12 @@ class Engine(EngineAPI):
         self._post_clip_grad_norm: torch.Tensor | None = None
         self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
+        if config.expert_parallel.enabled:
+            # AutoEP: the Hugging Face MoE blocks become expert-parallel layers before any
+            # group, flat or optimizer group is built from the model's parameters.
+            from .module_inject.auto_ep import apply_autoep
+
+            self.autoep_settings, model_parameters = apply_autoep(model, config.expert_parallel, model_parameters)
         # MoE layers get their expert-parallel groups (collective, the same order everywhere)
         # before any flat is built: expert flats are sharded over those groups.
         self.expert_group_names = attach_expert_groups(model)
