@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.scenarios.autoep import KINDS, STEPS, forward_cases, train_cases
+from tests.dist.scenarios.autoep import COEFF, KINDS, STEPS, balance_case, forward_cases, train_cases
 
 pytest.importorskip("transformers")
 
@@ -43,7 +43,8 @@ BF16 = {"atol": 2e-2, "rtol": 5e-2}
 def world4(dist_pool):
     forward = dist_pool(4).run(forward_cases, FORWARD_4, timeout=TIMEOUT_S)
     train = dist_pool(4).run(train_cases, TRAIN, timeout=TIMEOUT_S)
-    return forward, train
+    balance = dist_pool(4).run(balance_case, 2, 3, timeout=TIMEOUT_S)
+    return forward, train, balance
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +106,33 @@ def test_training_equals_autoep_size_one(world4, case) -> None:
     # The masters moved: the comparison is not between two untouched models.
     first, last = merged(train, base, 0), merged(train, base, STEPS - 1)
     assert any(not torch.equal(first[n], last[n]) for n in first)
+
+
+def test_load_balance_moves_the_bias_by_coeff_centred(world4) -> None:
+    """load_balance_coeff: after one optimizer step the bias moved by coeff * sign(mean - count),
+    centred, with the counts of every rank's tokens (taken from the unswapped model's router,
+    float64 formula here); every rank holds the same bias; the counts restart."""
+    balance = world4[2]
+    counts = sum(r["counts"].double() for r in balance)
+    assert counts.sum() == 4 * 2 * 2 * 6 * 2  # ranks x micro-batches x batch x sequence x top_k
+    delta = COEFF * torch.sign(counts.mean() - counts)
+    delta = delta - delta.mean()
+    assert delta.abs().max() > 0
+    for rank, r in enumerate(balance):
+        moved = (r["after"] - r["before"]).double()
+        torch.testing.assert_close(moved, delta, atol=1e-7, rtol=0, msg=lambda m, k=rank: f"rank {k}: {m}")
+        torch.testing.assert_close(r["after"], balance[0]["after"], atol=0, rtol=0)
+        assert r["pending"] is None, rank
+    uncentred = moved + (COEFF * torch.sign(counts.mean() - counts)).mean()
+    # each expert's own move is +-coeff (0 at exactly the mean), up to the fp32 bias's rounding
+    assert all(min(abs(v - COEFF), v) < 1e-7 for v in uncentred.abs().tolist()), uncentred
+    assert abs(moved.sum().item()) < 1e-7
+
+
+def test_load_balance_refused_without_a_selection_bias() -> None:
+    from zeroshard.config_expert_parallel import ExpertParallelConfig
+    from zeroshard.module_inject.auto_ep import replace_moe_layers
+    from tests.dist.scenarios.autoep import build_hf
+
+    with pytest.raises(ValueError, match=r"expert_parallel.load_balance_coeff=0.001: .* Remove load_balance_coeff"):
+        replace_moe_layers(build_hf("mixtral"), ExpertParallelConfig(enabled=True, load_balance_coeff=1e-3), 1)

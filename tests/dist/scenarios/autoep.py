@@ -168,3 +168,34 @@ def train_cases(cases: list[tuple[str, int, int, str]]) -> list[dict[str, Any]]:
             out["masters"].append(by_global_name(engine, zeroshard.safe_get_full_fp32_param))
         results.append(out)
     return results
+
+
+COEFF = 1e-3
+
+
+def balance_case(autoep_size: int, stage: int) -> dict[str, Any]:
+    """One optimizer step (accumulation 2) of DeepSeek-V3 with load_balance_coeff: the selection
+    bias before and after, and the routes per expert this rank's tokens took in the unswapped
+    model (the independent count the update must use)."""
+    rank = dist.get_rank()
+    model = build_hf("deepseek_v3")
+    reference = copy.deepcopy(model)
+    counts = torch.zeros(8)
+
+    def count(module, args, out) -> None:
+        counts.add_(torch.bincount(out[2].reshape(-1), minlength=8).float())
+
+    reference.model.layers[1].mlp.gate.register_forward_hook(count)
+    config = engine_config(autoep_size, stage, "fp32")
+    config["expert_parallel"]["load_balance_coeff"] = COEFF
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    layer = autoep_layers(engine.module)[0][1]
+    before = layer.router.e_score_correction_bias.detach().clone()
+    for micro in range(GA):
+        x = batch(rank, 0, micro)
+        with torch.no_grad():
+            reference(input_ids=x, labels=x)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    after = layer.router.e_score_correction_bias.detach().clone()
+    return {"before": before, "after": after, "counts": counts, "pending": layer.tokens_per_expert}
