@@ -158,6 +158,12 @@ class AutoEPMoELayer(nn.Module):
             self.router.gate.weight.data = self.router.gate.weight.data.to(router_weight.dtype)
         w1, w2, w3 = _local_expert_weights(hf_experts, preset, ep_rank * self.num_local_experts, self.num_local_experts)
         self.experts = GroupedExperts(w1, w2, w3, getattr(hf_experts, "act_fn", None), self.ep_group_name)
+        for p in (self.experts.w1, self.experts.w2, self.experts.w3):
+            # Where this rank's stack sits in the global [E, ...] one (experts are contiguous
+            # blocks along dim 0): checkpoints save and load the global tensor, so they are the
+            # same for every autoep_size (zeroshard/checkpoint/names.py).
+            p.autoep_global_shape = (settings.num_experts, *p.shape[1:])
+            p.autoep_offset = ep_rank * p.numel()
         self.shared_expert_names: list[str] = []
         for name in (preset.shared_experts_pattern, preset.shared_experts_gate_pattern):
             if name and getattr(source, name, None) is not None:
