@@ -153,9 +153,10 @@ class AutoEPMoELayer(nn.Module):
         router_weight = hf_router.weight
         self.hidden_size = router_weight.shape[1]
         self.router = AutoEPRouter(self.hidden_size, settings, bias)
-        with torch.no_grad():
-            self.router.gate.weight.copy_(router_weight)
-            self.router.gate.weight.data = self.router.gate.weight.data.to(router_weight.dtype)
+        # A copy on the source's device and in its dtype (meta too: `zeroshard explain`).
+        self.router.gate.weight = nn.Parameter(
+            router_weight.detach().clone(), requires_grad=router_weight.requires_grad
+        )
         w1, w2, w3 = _local_expert_weights(hf_experts, preset, ep_rank * self.num_local_experts, self.num_local_experts)
         self.experts = GroupedExperts(w1, w2, w3, getattr(hf_experts, "act_fn", None), self.ep_group_name)
         for p in (self.experts.w1, self.experts.w2, self.experts.w3):
