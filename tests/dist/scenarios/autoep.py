@@ -153,9 +153,10 @@ def train_cases(cases: list[tuple[str, int, int, str]]) -> list[dict[str, Any]]:
     rank = dist.get_rank()
     results = []
     for kind, autoep_size, stage, mode in cases:
-        model = build_hf(kind)
-        engine, _, _, _ = zeroshard.initialize(
-            model=model, model_parameters=model.parameters(), config=engine_config(autoep_size, stage, mode))
+        config = engine_config(autoep_size, stage, mode)
+        with zeroshard.zero.Init(config_dict_or_path=config, enabled=stage == 3):  # DeepSpeed's stage-3 idiom
+            model = build_hf(kind)
+        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
         out: dict[str, Any] = {"losses": [], "norms": [], "masters": []}
         for step in range(STEPS):
             for micro in range(GA):
