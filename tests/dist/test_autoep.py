@@ -1,5 +1,6 @@
-"""AutoEP on tiny Hugging Face MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3) built from a
-config (transformers, no download), at world size 4 (autoep_size 1, 2, 4) and 2 (1, 2).
+"""AutoEP on tiny Hugging Face MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3; for the forward
+also Qwen2-MoE with its gated shared expert and DeepSeek-V2 with group-limited greedy routing)
+built from a config (transformers, no download), at world size 4 (autoep_size 1, 2, 4) and 2.
 
 * The swapped model's forward equals the unswapped model's on the same batch: logits, every
   layer's router logits, the auxiliary loss, and each router's chosen experts (DeepSeek-V3 with
@@ -13,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.scenarios.autoep import COEFF, KINDS, STEPS, balance_case, forward_cases, train_cases
+from tests.dist.scenarios.autoep import COEFF, KINDS, MORE_KINDS, STEPS, balance_case, forward_cases, train_cases
 
 pytest.importorskip("transformers")
 
 TIMEOUT_S = 900
-FORWARD_4 = [(kind, size) for kind in KINDS for size in (1, 2, 4)]
+FORWARD_4 = [(kind, size) for kind in KINDS + MORE_KINDS for size in (1, 2, 4)]
 FORWARD_2 = [(kind, size) for kind in KINDS for size in (1, 2)]
 # fp32, same products: the experts' gate and up projections are two matmuls here and one fused
 # matmul there, and each token's k routes are summed in another order, so results differ in
@@ -59,10 +60,10 @@ def _check_forward(results, cases, world):
             assert r["logits"] <= FORWARD_TOL * max(1.0, r["logit_scale"]), (label, r)
             assert r["num_router_logits"][0] == r["num_router_logits"][1] > 0, (label, r)
             assert r["router_logits"] <= FORWARD_TOL, (label, r)
-            if kind != "deepseek_v3":  # DeepSeek-V3's causal LM computes no auxiliary loss
+            if not kind.startswith("deepseek"):  # DeepSeek's causal LMs compute no auxiliary loss
                 assert r["aux"] is not None and r["aux"] <= FORWARD_TOL, (label, r)
             assert r["choices_equal"], label
-            experts = 8 if kind == "deepseek_v3" else 4
+            experts = 8 if kind.startswith("deepseek") else 4
             assert all(shape[0] == experts // size for shape in r["local_experts"]), (label, r)
             if kind == "deepseek_v3":
                 assert r["bias_changes_choice"], label

@@ -21,6 +21,7 @@ from zeroshard.moe.utils import attach_expert_groups
 from zeroshard.module_inject.auto_ep import autoep_layers, replace_moe_layers
 
 KINDS = ("mixtral", "qwen3_moe", "deepseek_v3")
+MORE_KINDS = ("qwen2_moe", "deepseek_v2")  # forward equality only
 VOCAB, SEQ = 48, 6
 GA, STEPS = 2, 2
 
@@ -43,6 +44,20 @@ def build_hf(kind: str) -> nn.Module:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, intermediate_size=12, moe_intermediate_size=12,
                                                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                                    head_dim=8, output_router_logits=True))
+    elif kind == "qwen2_moe":
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            **common, intermediate_size=12, moe_intermediate_size=12, shared_expert_intermediate_size=12,
+            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, output_router_logits=True))
+    elif kind == "deepseek_v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(
+            **common, intermediate_size=12, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=1.7,
+            first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8))
     else:
         model = DeepseekV3ForCausalLM(DeepseekV3Config(
             **common, intermediate_size=12, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2,
