@@ -41,6 +41,12 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
     check_ep_size(cfg.autoep_size, world_size)
     settings = resolve_routing(cfg, getattr(model, "config", None))
     preset = settings.preset
+    if cfg.load_balance_coeff is not None and preset.selection_bias is None:
+        raise ValueError(
+            f"expert_parallel.load_balance_coeff={cfg.load_balance_coeff}: auxiliary-loss-free balancing moves the "
+            f"router's selection bias, which preset {settings.preset_name!r} has none of (deepseek_v3 has). "
+            "Remove load_balance_coeff."
+        )
     pattern = re.compile(preset.moe_layer_pattern)
     targets = []
     for name, module in model.named_modules():
@@ -53,7 +59,7 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
         return settings, []  # swapped already (by the user, or an earlier initialize)
     if not targets:
         raise ValueError(
-            f"expert_parallel.moe_layer_pattern={preset.moe_layer_pattern!r}: no module of the model matches it "
+            f'expert_parallel.moe_layer_pattern="{preset.moe_layer_pattern}": no module of the model matches it '
             f"with children {preset.router_pattern!r} (router) and {preset.experts_pattern!r} (experts). Set "
             "preset_model, or moe_layer_pattern / router_pattern / expert_pattern to the model's names."
         )
@@ -67,12 +73,6 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer)
-    if cfg.load_balance_coeff is not None and preset.selection_bias is None:
-        raise ValueError(
-            f"expert_parallel.load_balance_coeff={cfg.load_balance_coeff}: auxiliary-loss-free balancing moves the "
-            f"router's selection bias, which preset {settings.preset_name!r} has none of (deepseek_v3 has). "
-            "Remove load_balance_coeff."
-        )
     return settings, [name for name, _ in targets]
 
 

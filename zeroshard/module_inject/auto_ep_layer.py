@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import comm
 from ..comm import Group
 from ..utils import groups
 from .auto_ep_dispatch import combine, dispatch
@@ -239,7 +238,3 @@ def _local_expert_weights(experts: nn.Module, preset, first: int, count: int) ->
 
 def _weight(obj) -> Tensor:
     return obj.weight.detach() if isinstance(obj, nn.Module) else obj.detach()
-
-
-def ep_rank_of(ep_size: int) -> int:
-    return comm.rank() % ep_size
