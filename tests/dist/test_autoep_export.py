@@ -39,11 +39,15 @@ def runs(dist_pool, tmp_path_factory):
     saved = [merged(r) for r in saved_runs]
     saved_exp_avg = merged(saved_runs[0], "exp_avg")
     # DeepSeek-V3 saved at autoep_size 2 (stage 2), loaded at 4 (stage 3) and 1 (stage 0).
-    ckpt = f"{root}/ckpt-deepseek_v3-2-2"
+    ckpt = f"{root}/ckpt-deepseek_v3-2-2-AdamW"
     loaded_runs = {size: pool.run(load_case, "deepseek_v3", size, stage, ckpt, timeout=TIMEOUT_S)
                    for size, stage in ((4, 3), (1, 0))}
     loaded = {size: (merged(r), merged(r, "exp_avg")) for size, r in loaded_runs.items()}
-    return root, saved, loaded, saved_exp_avg
+    # Muon + AutoEP + ZeRO-2: saved at autoep_size 2, loaded at 4.
+    muon_saved = merged(pool.run(save_case, "deepseek_v3", 2, 2, root, "Muon", timeout=TIMEOUT_S))
+    muon_ckpt = f"{root}/ckpt-deepseek_v3-2-2-Muon"
+    muon_loaded = merged(pool.run(load_case, "deepseek_v3", 4, 2, muon_ckpt, "Muon", timeout=TIMEOUT_S))
+    return root, saved, loaded, saved_exp_avg, (muon_saved, muon_loaded)
 
 
 def as_autoep_names(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
@@ -65,7 +69,7 @@ def as_autoep_names(state: dict[str, torch.Tensor], kind: str) -> dict[str, torc
 def test_16bit_export_strict_loads_into_the_unswapped_model(runs, index) -> None:
     root, saved, *_ = runs
     kind, size, stage = SAVES[index]
-    state = load_file(f"{root}/{kind}-{size}-{stage}.safetensors")
+    state = load_file(f"{root}/{kind}-{size}-{stage}-AdamW.safetensors")
     assert not any(".router." in k or ".experts.w1" in k for k in state)
     mine = as_autoep_names(state, kind)
     assert set(mine) == set(saved[index])
@@ -77,17 +81,24 @@ def test_16bit_export_strict_loads_into_the_unswapped_model(runs, index) -> None
 def test_to_fp32_strict_loads_into_the_unswapped_model(runs, index) -> None:
     root, saved, *_ = runs
     kind, size, stage = SAVES[index]
-    mine = as_autoep_names(consolidate_fp32(f"{root}/ckpt-{kind}-{size}-{stage}", tag="t"), kind)
+    mine = as_autoep_names(consolidate_fp32(f"{root}/ckpt-{kind}-{size}-{stage}-AdamW", tag="t"), kind)
     for name, value in saved[index].items():
         torch.testing.assert_close(mine[name], value, atol=0, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("size", (4, 1))
 def test_checkpoint_loads_at_another_autoep_size(runs, size) -> None:
-    _, saved, loaded, saved_exp_avg = runs
+    _, saved, loaded, saved_exp_avg, _ = runs
     masters, exp_avg = loaded[size]
     assert set(masters) == set(saved[0]) == set(exp_avg)
     for name, value in saved[0].items():
         torch.testing.assert_close(masters[name], value, atol=0, rtol=0, msg=name)
         torch.testing.assert_close(exp_avg[name], saved_exp_avg[name], atol=0, rtol=0, msg=name)
     assert any(v.abs().max() > 0 for v in saved_exp_avg.values())
+
+
+def test_muon_checkpoint_loads_at_another_autoep_size(runs) -> None:
+    muon_saved, muon_loaded = runs[-1]
+    assert set(muon_loaded) == set(muon_saved)
+    for name, value in muon_saved.items():
+        torch.testing.assert_close(muon_loaded[name], value, atol=0, rtol=0, msg=name)

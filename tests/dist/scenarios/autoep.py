@@ -217,28 +217,30 @@ def balance_case(autoep_size: int, stage: int) -> dict[str, Any]:
     return {"before": before, "after": after, "counts": counts, "pending": layer.tokens_per_expert}
 
 
-def save_case(kind: str, autoep_size: int, stage: int, root: str) -> dict[str, Any]:
+def save_case(kind: str, autoep_size: int, stage: int, root: str, optimizer: str = "AdamW") -> dict[str, Any]:
     """One optimizer step, then save_16bit_model, save_checkpoint; the masters (global names)."""
     rank = dist.get_rank()
     model = build_hf(kind)
     engine, _, _, _ = zeroshard.initialize(
-        model=model, model_parameters=model.parameters(), config=engine_config(autoep_size, stage, "fp32"))
+        model=model, model_parameters=model.parameters(), config=engine_config(autoep_size, stage, "fp32", optimizer))
     for micro in range(GA):
         x = batch(rank, 0, micro)
         engine.backward(engine(input_ids=x, labels=x).loss)
         engine.step()
     masters = by_global_name(engine, zeroshard.safe_get_full_fp32_param)
-    exp_avg = by_global_name(engine, lambda p: zeroshard.safe_get_full_optimizer_state(p, "exp_avg"))
-    engine.save_16bit_model(root, f"{kind}-{autoep_size}-{stage}.safetensors")
-    engine.save_checkpoint(f"{root}/ckpt-{kind}-{autoep_size}-{stage}", tag="t")
+    exp_avg = by_global_name(engine, lambda p: zeroshard.safe_get_full_optimizer_state(p, "exp_avg")) if (
+        optimizer == "AdamW") else {}
+    engine.save_16bit_model(root, f"{kind}-{autoep_size}-{stage}-{optimizer}.safetensors")
+    engine.save_checkpoint(f"{root}/ckpt-{kind}-{autoep_size}-{stage}-{optimizer}", tag="t")
     return {"masters": masters, "exp_avg": exp_avg}
 
 
-def load_case(kind: str, autoep_size: int, stage: int, ckpt: str) -> dict[str, Any]:
+def load_case(kind: str, autoep_size: int, stage: int, ckpt: str, optimizer: str = "AdamW") -> dict[str, Any]:
     """A fresh engine at `autoep_size` loading `ckpt`: its masters and AdamW's exp_avg (global names)."""
     model = build_hf(kind)
     engine, _, _, _ = zeroshard.initialize(
-        model=model, model_parameters=model.parameters(), config=engine_config(autoep_size, stage, "fp32"))
+        model=model, model_parameters=model.parameters(), config=engine_config(autoep_size, stage, "fp32", optimizer))
     engine.load_checkpoint(ckpt, tag="t")
-    return {"masters": by_global_name(engine, zeroshard.safe_get_full_fp32_param),
-            "exp_avg": by_global_name(engine, lambda p: zeroshard.safe_get_full_optimizer_state(p, "exp_avg"))}
+    exp_avg = by_global_name(engine, lambda p: zeroshard.safe_get_full_optimizer_state(p, "exp_avg")) if (
+        optimizer == "AdamW") else {}
+    return {"masters": by_global_name(engine, zeroshard.safe_get_full_fp32_param), "exp_avg": exp_avg}
