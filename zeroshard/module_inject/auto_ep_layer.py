@@ -171,6 +171,8 @@ class AutoEPMoELayer(nn.Module):
                 self.shared_expert_names.append(name)
         self.shared_experts_pattern = preset.shared_experts_pattern
         self.shared_experts_gate_pattern = preset.shared_experts_gate_pattern
+        # Mixtral's router_jitter_noise: inputs scaled by U(1 - j, 1 + j) in training.
+        self.jitter_noise = float(getattr(source, "jitter_noise", 0.0) or 0.0)
         # Routes per global expert since the last optimizer step (auxiliary-loss-free balancing).
         self.tokens_per_expert: Tensor | None = None
         self.count_tokens = False
@@ -185,6 +187,9 @@ class AutoEPMoELayer(nn.Module):
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # the same draw as the Hugging Face block's
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(
