@@ -47,7 +47,7 @@ from .format import (
     tmp_tag_dir,
     validate_tag,
 )
-from .names import flat_names, saved_offset, saved_shape, state_dict_keys
+from .names import flat_names, saved_offset, state_dict_keys
 from .rng import capture_rng_state
 from .sync import agree, all_gather_object, describe
 
@@ -243,7 +243,7 @@ def _write_extras(engine: Any, tmp: Path, frozen: list[str], buffer_names: list[
 def _param_entries(flat: Any, names: list[str], elementwise: dict, scalars: dict) -> dict[str, Any]:
     return {
         name: {
-            "shape": list(saved_shape(flat.params[i])),
+            "shape": list(getattr(flat.params[i], "autoep_global_shape", None) or flat.shapes[i]),
             "param_dtype": dtype_to_str(flat.role.param_dtype),
             "master_dtype": dtype_to_str(flat.master.dtype),
             "unit": flat.unit_name,

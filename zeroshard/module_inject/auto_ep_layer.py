@@ -197,7 +197,7 @@ class AutoEPMoELayer(nn.Module):
                 "set_deepspeed_parallelism() (zeroshard.initialize does) before the forward."
             )
         _, weights, selected = self.router(tokens)
-        if self.count_tokens:
+        if self.count_tokens and self.training:  # evaluation forwards do not steer the balance
             counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts).float()
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
         group = self.ep_group if self.ep_size > 1 else None
