@@ -28,6 +28,10 @@ def test_filled_from_the_model_config_and_user_values_win(tmp_path) -> None:
     assert "expert_parallel.num_limited_groups = 2  (model config topk_group)" in lines
     assert "expert_parallel.route_norm = True  (model config norm_topk_prob)" in lines
     assert "expert_parallel.score_func = sigmoid  (preset deepseek_v3)" in lines
+    # the expert stacks are estimated over their expert-data-parallel groups
+    flat = " ".join(text.split())
+    assert "experts, ep_size 2 (2 layer(s), 4 of 8 experts per rank)" in flat
+    assert "expert parameters sharded over [[0, 2], [1, 3]]" in flat
 
 
 def test_route_scale_from_the_model_when_not_given(tmp_path) -> None:
