@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from .config_error import ConfigError, DeepSpeedConfigError, raises_deepspeed_error
+from .config_expert_parallel import ExpertParallelConfig
 from .config_file import check_depth, read_config_file
 from .config_sections import (
     DEFAULT_LOWER_PRECISION_SAFE_MODULES,
@@ -138,6 +139,8 @@ class ZeroshardConfig(_Section):
     sequence_parallel_size: JsonInt = Field(1, ge=1)
     data_parallel_size: JsonInt | None = Field(None, ge=1)
     zeroshard: ZeroshardExtras = Field(default_factory=ZeroshardExtras)
+    # AutoEP: swap a Hugging Face model's MoE blocks for expert-parallel layers (docs/moe.md).
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     # Accepted, no effect: logging, monitoring and permission knobs.
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
@@ -207,9 +210,6 @@ class ZeroshardConfig(_Section):
         "disable_allgather": _Unsupported(_equals(False), "Remove it."),
         "graph_harvesting": _Unsupported(_equals(False), "Remove it."),
         "zero_optimization_stage": _Unsupported(lambda v: False, "Use zero_optimization.stage."),
-        "expert_parallel": _Unsupported(
-            _disabled_section, "AutoEP is not implemented; build the model with MoE layers instead."
-        ),
         "datastates_ckpt": _Unsupported(_disabled_section, "Remove it (checkpoints are written by zeroshard)."),
     }
 

@@ -46,9 +46,17 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
+# DeepSpeed keys whose own default is "auto" (from the model): a value there, not a placeholder.
+_AUTO_IS_A_VALUE = frozenset(
+    f"expert_parallel.{k}" for k in ("score_func", "top_k", "routed_scaling_factor", "score_apply", "combine_impl")
+)
+
+
 def _find_autos(value: Any, path: str, report: _Report) -> bool:
     """Report every "auto" inside ``value``; True if any was found."""
     found = False
+    if _is_auto(value) and path in _AUTO_IS_A_VALUE:
+        return False
     if _is_auto(value):
         report.problems.append(
             f'{path}="auto": "auto" is a placeholder that the Hugging Face integration fills in; '

@@ -125,6 +125,21 @@ class Engine(EngineAPI):
         self._post_clip_grad_norm: torch.Tensor | None = None
         self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
+        if config.expert_parallel.enabled:
+            # AutoEP: the Hugging Face MoE blocks become expert-parallel layers before any
+            # group, flat or optimizer group is built from the model's parameters.
+            from .module_inject.auto_ep import apply_autoep
+
+            self.autoep_settings, model_parameters = apply_autoep(model, config.expert_parallel, model_parameters)
+        self._load_balancer = None
+        if config.expert_parallel.enabled and config.expert_parallel.load_balance_coeff is not None:
+            from .module_inject.auto_ep import autoep_layers
+            from .module_inject.auto_ep_balance import LoadBalancer
+
+            self._load_balancer = LoadBalancer(
+                [layer for _, layer in autoep_layers(model)], config.expert_parallel.load_balance_coeff,
+                comm.world_group(),
+            )
         # MoE layers get their expert-parallel groups (collective, the same order everywhere)
         # before any flat is built: expert flats are sharded over those groups.
         self.expert_group_names = attach_expert_groups(model)
@@ -412,6 +427,8 @@ class Engine(EngineAPI):
                 if not result.finite:
                     self._log_nonfinite(result)
                 self._step_applied = not result.overflow
+                if self._load_balancer is not None:  # AutoEP's selection bias, once per step
+                    self._load_balancer.step(self._step_applied)
                 self._log_step(result)
                 self.global_steps += 1
                 self._count_samples()

@@ -161,10 +161,17 @@ def explain_data(
         "parallel": _parallel_layout(config.sequence_parallel_size, world_size),
         "model": None,
         "moe": None,
+        "autoep": _autoep_given(config) if config.expert_parallel.enabled else None,
     }
     estimate: MemoryEstimate | None = None
     if model_spec is not None:
         model = build_model_on_meta(model_spec)
+        if config.expert_parallel.enabled:
+            from zeroshard.module_inject.auto_ep import replace_moe_layers
+
+            settings, names = replace_moe_layers(model, config.expert_parallel, world_size)
+            data["autoep"] = {"autoep_size": config.expert_parallel.autoep_size, "layers": names,
+                              "settings": settings.explain_lines()}
         data["model"] = {"spec": model_spec, **_model_report(model, plan)}
         counts = {g: info["num_params"] for g, info in data["model"]["groups"].items()}
         units = _unit_numels(model, config)
@@ -200,6 +207,17 @@ def explain_data(
         "estimate": estimate.as_dict() if estimate else None,
     }
     return data
+
+
+def _autoep_given(config: ZeroshardConfig) -> dict[str, Any]:
+    """AutoEP without a model: the routing keys the config sets; the rest come from the model."""
+    ep = config.expert_parallel
+    keys = ("preset_model", "top_k", "score_func", "route_norm", "route_scale", "routed_scaling_factor",
+            "num_expert_groups", "num_limited_groups", "load_balance_coeff")
+    given = [f"expert_parallel.{k} = {getattr(ep, k)}  (config)" for k in keys
+             if getattr(ep, k) not in (None, "auto")]
+    given.append("the other routing settings: from the model's config at initialize (give --model to see them)")
+    return {"autoep_size": ep.autoep_size, "layers": None, "settings": given}
 
 
 def _placement(config: ZeroshardConfig) -> dict[str, Any]:
@@ -324,6 +342,13 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
                 f"{g['experts_per_layer']} experts per rank): tokens exchanged within {g['expert_parallel_groups']}, "
                 f"expert parameters sharded over {g['expert_data_parallel_groups']}"
             )
+
+    autoep = data.get("autoep")
+    if autoep:
+        layers = "" if autoep["layers"] is None else f": {len(autoep['layers'])} MoE layer(s) swapped"
+        console.print(f"\nAutoEP (expert_parallel), autoep_size {autoep['autoep_size']}{layers}")
+        for line in autoep["settings"]:
+            console.print(f"  {line}", soft_wrap=True)
 
     parallel = data.get("parallel")
     if parallel and parallel["sequence_parallel_size"] > 1:

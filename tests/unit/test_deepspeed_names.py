@@ -74,7 +74,8 @@ def test_deepspeed_019_keys_accepted_when_they_ask_for_what_zeroshard_does(confi
       r"mode, whose parameters are fp32"),
      ({"data_types": {"param_dtype": "fp16"}, "bf16": {"enabled": True}}, "whose parameters are bf16"),
      ({"gradient_allreduce_op": "sum"}, r'gradient_allreduce_op="sum": recognised DeepSpeed key, not supported'),
-     ({"expert_parallel": {"enabled": True}}, "AutoEP is not implemented"),
+     ({"expert_parallel": {"enabled": True, "expert_tensor_parallel_size": 2}},
+          r"expert_parallel.expert_tensor_parallel_size=2: recognised DeepSpeed key, not supported"),
      ({"datastates_ckpt": {"enabled": True}}, "datastates_ckpt")],
 )
 def test_deepspeed_019_keys_refused_when_they_ask_for_something_else(config, message):

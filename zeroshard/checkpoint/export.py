@@ -15,6 +15,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .. import comm
+from ..module_inject.auto_ep_export import hf_layouts, to_hf_state_dict
+from ..utils import groups
 from .files import write_via_private_dir
 from .format import CheckpointReader, resolve_checkpoint_dir
 from .save import module_names
@@ -53,7 +56,7 @@ def consolidate_fp32(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dic
             if value.is_floating_point():
                 value = value.to(torch.float32)
         out[key] = value
-    return out
+    return to_hf_state_dict(out, index.get("autoep") or {})
 
 
 def _write_state_dict(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -83,7 +86,10 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
     Returns:
         The written file's path (on every rank).
     """
-    if any(name != "ep_size_1" for name in getattr(engine, "expert_group_names", [])):
+    from ..moe.utils import has_moe_layers
+
+    moe_group_names = getattr(engine, "expert_group_names", []) if has_moe_layers(engine.module)[0] else []
+    if any(name != "ep_size_1" for name in moe_group_names):
         # Rank 0 holds only its own experts under local names; exporting every expert needs a
         # gather across expert-parallel ranks that is not written yet.
         raise NotImplementedError(
@@ -102,6 +108,14 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
                 for flat in unit.flats:
                     for name, p in zip(flat.names, flat.params, strict=True):
                         managed[name] = p.detach().to("cpu", copy=True)
+            for flat in unit.flats:  # AutoEP stacks: every rank's experts (collective)
+                for name, p in zip(flat.names, flat.params, strict=True):
+                    if hasattr(p, "autoep_global_shape"):
+                        group = groups._get_expert_parallel_group(p.group_name)
+                        full = p.new_empty(p.autoep_global_shape)
+                        comm.all_gather(full, p.detach().contiguous(), group=group, tag="export")
+                        if rank0:
+                            managed[name] = full.to("cpu")
         finally:
             if not was_gathered:
                 unit.free()
@@ -121,7 +135,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
                     state[key] = managed[aliases[key]].clone()
                 else:
                     state[key] = tensors[key].detach().to("cpu", copy=True)
-            _write_state_dict(state, path, {"format": "pt"})
+            _write_state_dict(to_hf_state_dict(state, hf_layouts(engine.module)), path, {"format": "pt"})
         except Exception as exc:
             error = exc
     agree(error, f"save_16bit_model({path})")

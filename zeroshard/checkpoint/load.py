@@ -48,7 +48,7 @@ from .format import (
     state_kind,
     validate_tag,
 )
-from .names import flat_names, model_param_shapes
+from .names import flat_names, model_param_shapes, saved_offset
 from .rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
 from .save import module_names
 from .sync import agree, all_gather_object, describe, is_rank_zero
@@ -161,7 +161,8 @@ def _assemble(flat: Any, names: list[str], read, kind: str, dtype: torch.dtype) 
         common = overlap(flat.offsets[i], flat.offsets[i] + flat.numels[i], master_start, master_start + master_len)
         if common is not None:
             lo, hi = common
-            out[lo - master_start : hi - master_start].copy_(read(name, kind, lo - flat.offsets[i], hi - lo))
+            start = lo - flat.offsets[i] + saved_offset(flat.params[i])
+            out[lo - master_start : hi - master_start].copy_(read(name, kind, start, hi - lo))
     return out
 
 

@@ -29,7 +29,7 @@ def model_param_shapes(module: Any) -> dict[str, list[int]]:
     params = dict(module.named_parameters(remove_duplicate=False))
     local_experts = {name for name, p in params.items() if id(p) in global_expert_names(module)}
     # ds_shape: a stage-3 parameter outside a gather is empty (zeroshard/flat.py)
-    shapes = {name: list(getattr(p, "ds_shape", p.shape)) for name, p in params.items() if name not in local_experts}
+    shapes = {name: list(saved_shape(p)) for name, p in params.items() if name not in local_experts}
     for global_name, local_name in all_global_expert_names(module).items():
         shapes[global_name] = list(getattr(params[local_name], "ds_shape", params[local_name].shape))
     return shapes
@@ -53,3 +53,17 @@ def state_dict_keys(module: Any) -> list[str]:
             emitted.add(layer)
             keys.extend(name for name in every_global if name.startswith(layer))
     return keys
+
+
+def saved_shape(p: Any) -> Any:
+    """A parameter's shape in a checkpoint: an AutoEP stack's global [E, ...] shape (its
+    `autoep_global_shape`), else the full shape (`ds_shape`: a stage-3 parameter outside a
+    gather is empty, zeroshard/flat.py)."""
+    return getattr(p, "autoep_global_shape", None) or getattr(p, "ds_shape", p.shape)
+
+
+def saved_offset(p: Any) -> int:
+    """Where a parameter's elements start in its saved tensor: an AutoEP stack of this rank's
+    experts is a contiguous block of the global stack (zeroshard/module_inject/auto_ep_layer.py);
+    0 for everything else."""
+    return getattr(p, "autoep_offset", 0)

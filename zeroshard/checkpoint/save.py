@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..module_inject.auto_ep_export import hf_layouts
 from ..ranges import overlap
 from .files import finish_file, fsync_dir, open_exclusive, remove_entry, write_bytes_exclusive, write_text_atomic
 from .format import (
@@ -46,7 +47,7 @@ from .format import (
     tmp_tag_dir,
     validate_tag,
 )
-from .names import flat_names, state_dict_keys
+from .names import flat_names, saved_offset, state_dict_keys
 from .rng import capture_rng_state
 from .sync import agree, all_gather_object, describe
 
@@ -177,7 +178,7 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
                 lo, hi = common
                 fragments[name] = {
                     "rank": rank,
-                    "offset": lo - flat.offsets[i],
+                    "offset": lo - flat.offsets[i] + saved_offset(flat.params[i]),
                     "numel": hi - lo,
                     "tensor": fid,
                     "start": lo - owned_start,
@@ -242,7 +243,7 @@ def _write_extras(engine: Any, tmp: Path, frozen: list[str], buffer_names: list[
 def _param_entries(flat: Any, names: list[str], elementwise: dict, scalars: dict) -> dict[str, Any]:
     return {
         name: {
-            "shape": list(flat.shapes[i]),
+            "shape": list(getattr(flat.params[i], "autoep_global_shape", None) or flat.shapes[i]),
             "param_dtype": dtype_to_str(flat.role.param_dtype),
             "master_dtype": dtype_to_str(flat.master.dtype),
             "unit": flat.unit_name,
@@ -331,6 +332,7 @@ def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[st
         "aliases": aliases,
         **extras,
         "state_dict_keys": state_dict_keys(engine.module),
+        "autoep": hf_layouts(engine.module),  # to-fp32 writes these layers under Hugging Face names
         "flats": _flats_table(engine),
         "counters": {
             "global_steps": engine.global_steps,

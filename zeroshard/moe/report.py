@@ -20,7 +20,10 @@ def moe_report(model: nn.Module, world_size: int, group_of: dict[str, str]) -> t
     """
     from .layer import MoE
 
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    # DeepSpeed's MoE layers and AutoEP's (zeroshard/module_inject) carry the same attributes.
+    layers = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, MoE) or getattr(m, "_is_autoep_layer", False)
+    ]
     if not layers:
         return None, {}
     expert_counts: dict[int, dict[str, int]] = {}

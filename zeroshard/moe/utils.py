@@ -132,6 +132,10 @@ def attach_expert_groups(model: nn.Module) -> list[str]:
             module.set_deepspeed_parallelism()
             if module.expert_group_name not in names:
                 names.append(module.expert_group_name)
+        elif getattr(module, "_is_autoep_layer", False):  # zeroshard.module_inject.auto_ep_layer
+            module.set_deepspeed_parallelism()
+            if module.ep_group_name not in names:
+                names.append(module.ep_group_name)
     return names
 
 

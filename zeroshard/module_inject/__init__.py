@@ -1,0 +1,10 @@
+"""DeepSpeed's `deepspeed.module_inject` path for AutoEP (expert parallelism swapped into a
+Hugging Face MoE model from the `expert_parallel` config section):
+
+    auto_ep_presets.py   the supported families and how their settings are resolved
+    auto_ep_layer.py     AutoEPMoELayer: router, stacked experts, shared experts
+    auto_ep_dispatch.py  the dropless all-to-all with splits
+    auto_ep.py           detection and replacement
+    auto_ep_balance.py   auxiliary-loss-free load balancing
+    auto_ep_export.py    the original Hugging Face names and layout for checkpoints and exports
+"""
