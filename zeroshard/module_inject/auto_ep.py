@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import comm
 from ..utils.groups import check_ep_size
+from ..zero_init import gather_partitioned
 from .auto_ep_layer import AutoEPMoELayer
 from .auto_ep_presets import RoutingSettings, resolve_routing
 
@@ -66,6 +67,10 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
     ep_rank = comm.rank() % cfg.autoep_size
     recorder = _router_logits_recorder(model)
     for name, module in targets:
+        # A block built under zero.Init holds only this rank's parts: make it whole (one block
+        # at a time) so the experts are copied from their real values; the engine adopts the
+        # kept parts (shared experts) afterwards as it does every Init parameter.
+        gather_partitioned(list(module.parameters()))
         layer = AutoEPMoELayer(module, settings, cfg.autoep_size, ep_rank)
         layer.count_tokens = cfg.load_balance_coeff is not None
         if recorder is not None:
