@@ -21,7 +21,9 @@ embedding that is a unit of its own, is read by the root. World 2, 2 optimizer s
 - a use before the unit's own forward runs (`h @ blocks[1].fc.weight.T`; its gradient arrives
   after the unit was reduced): stage 0 within 1e-6 (that late share is reduced separately, so sums differ in order);
 - an eval forward under `torch.no_grad()` gives stage 0's logits bitwise, and no unit stays
-  gathered after training or after the eval forward (no pin outlives its backward).
+  gathered after training or after the eval forward (no pin outlives its backward);
+- a direct use on one rank only is an error after the collective timeout naming the unit,
+  not a hang (the use is a collective, like every stage-3 gather).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from tests.dist.reference import check_against_reference, flat_cat, reference_for, run_all, world_losses
 from tests.dist.scenarios.common import Case
-from tests.dist.scenarios.direct_use import UNITS_WITH_EMBEDDING, run_direct_use_cases
+from tests.dist.scenarios.direct_use import UNITS_WITH_EMBEDDING, rank0_only_direct_use, run_direct_use_cases
 
 KEEP = ("master", "grad0")
 STEPS = 2
@@ -132,3 +134,15 @@ def test_eval_under_no_grad_and_nothing_stays_gathered(results) -> None:
     for mode in ("fp32", "bf16"):
         logits3, logits0 = results[0][_index(3, mode)]["eval_logits"], results[0][_index(0, mode)]["eval_logits"]
         assert logits3.shape == (2, 6, 13) and torch.equal(logits3, logits0), mode
+
+
+def test_a_direct_use_on_one_rank_only_fails_after_the_timeout(dist_pool) -> None:
+    """Rank 0 alone reads blocks[0].weight in a forward; its gather waits for rank 1, which
+    never joins: after the timeout CollectiveError names the all-gather and the unit."""
+    timeout_s = 4.0
+    case = Case(stage=3, extra={"zeroshard": {"collective_timeout_s": timeout_s}})
+    outcome = dist_pool(2).run(rank0_only_direct_use, case, timeout_s + 6, timeout=120)[0]
+    assert outcome["type"] == "CollectiveError", outcome
+    assert "all_gather 'param' over ranks [0, 1] at step 0, unit 'blocks.0'" in outcome["message"], outcome
+    # gloo checks its deadline while waiting, on a shared machine: up to 20 s late.
+    assert timeout_s - 1 <= outcome["seconds"] < timeout_s + 20, outcome

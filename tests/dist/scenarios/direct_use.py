@@ -3,10 +3,12 @@ tensors by the root's code, by another unit's code, and through a weight tied to
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -21,6 +23,7 @@ from tests.dist.scenarios.common import (
     my_micro_batch,
     train,
 )
+from tests.dist.scenarios.faults import _outcome
 
 # The embedding is a unit of its own, so the head's weight, tied to it, belongs to a unit and
 # is read by the root's head: the third direct-use pattern.
@@ -126,3 +129,38 @@ def run_direct_use_cases(cases: list[Case]) -> list[dict[str, Any]]:
         engine.destroy()
         results.append(result)
     return results
+
+
+class BlocksOnly(torch.nn.Module):
+    """Every parameter in a block unit (the root unit is empty, so its gather is no
+    collective): the forward's first collective is the gather of block 0 for a direct use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(DIM, DIM) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.blocks[0].weight.T
+        for block in self.blocks[1:]:
+            h = torch.tanh(block(h))
+        return h.sum()
+
+
+def rank0_only_direct_use(case: Case, stay_s: float) -> dict[str, Any]:
+    """Rank 0 alone runs a forward whose first collective is a direct use's gather; rank 1
+    stays alive, outside any collective, for `stay_s` seconds. Rank 0's outcome is returned."""
+    torch.manual_seed(0)
+    engine = build_engine(case, BlocksOnly())
+    started = time.monotonic()
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            with torch.no_grad():
+                engine(torch.ones(2, DIM))
+        except Exception as exc:  # the outcome under test
+            error = exc
+    else:
+        time.sleep(stay_s)
+    outcome = _outcome(error, started)
+    dist.destroy_process_group()
+    return outcome
