@@ -22,6 +22,9 @@ embedding that is a unit of its own, is read by the root. World 2, 2 optimizer s
   after the unit was reduced): stage 0 within 1e-6 (that late share is reduced separately, so sums differ in order);
 - an eval forward under `torch.no_grad()` gives stage 0's logits bitwise, and no unit stays
   gathered after training or after the eval forward (no pin outlives its backward);
+- a forward whose loss is dropped, then `empty_partition_cache()` between a forward and its
+  backward (every pin released: the backward gathers again where the direct uses' outputs get
+  their gradient): the reduced gradients are stage 0's, bitwise, and nothing stays gathered;
 - a direct use on one rank only is an error after the collective timeout naming the unit,
   not a hang (the use is a collective, like every stage-3 gather).
 """
@@ -33,7 +36,12 @@ import torch
 
 from tests.dist.reference import check_against_reference, flat_cat, reference_for, run_all, world_losses
 from tests.dist.scenarios.common import Case
-from tests.dist.scenarios.direct_use import UNITS_WITH_EMBEDDING, rank0_only_direct_use, run_direct_use_cases
+from tests.dist.scenarios.direct_use import (
+    UNITS_WITH_EMBEDDING,
+    rank0_only_direct_use,
+    run_direct_use_cases,
+    unused_forward_and_released_pins,
+)
 
 KEEP = ("master", "grad0")
 STEPS = 2
@@ -134,6 +142,13 @@ def test_eval_under_no_grad_and_nothing_stays_gathered(results) -> None:
     for mode in ("fp32", "bf16"):
         logits3, logits0 = results[0][_index(3, mode)]["eval_logits"], results[0][_index(0, mode)]["eval_logits"]
         assert logits3.shape == (2, 6, 13) and torch.equal(logits3, logits0), mode
+
+
+def test_dropped_forward_and_released_pins_give_stage0_gradients(dist_pool) -> None:
+    for rank, result in enumerate(dist_pool(2).run(unused_forward_and_released_pins, timeout=300)):
+        assert result[3]["gathered"] == [], (rank, result[3]["gathered"])
+        for name, grad in result[0]["grads"].items():
+            assert torch.equal(result[3]["grads"][name], grad), (rank, name)
 
 
 def test_a_direct_use_on_one_rank_only_fails_after_the_timeout(dist_pool) -> None:

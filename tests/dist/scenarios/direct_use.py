@@ -19,6 +19,7 @@ from tests.dist.scenarios.common import (
     case_batches,
     detached,
     engine_loop_step,
+    full_grads,
     full_module_params,
     my_micro_batch,
     train,
@@ -164,3 +165,27 @@ def rank0_only_direct_use(case: Case, stay_s: float) -> dict[str, Any]:
     outcome = _outcome(error, started)
     dist.destroy_process_group()
     return outcome
+
+
+def unused_forward_and_released_pins() -> dict[int, dict[str, Any]]:
+    """Per stage (0, 3): a forward with grad whose loss is dropped (its pins stay until the
+    next backward ends), then a forward, at stage 3 `engine.empty_partition_cache()` (which
+    releases every pin between that forward and its backward: the backward gathers again at
+    the direct uses' outputs), the backward and a step. Returns the reduced gradients and the
+    units still gathered after the step."""
+    out = {}
+    for stage in (0, 3):
+        case = Case(stage=stage, extra=UNITS_WITH_EMBEDDING)
+        torch.manual_seed(case.seed)
+        engine = build_engine(case, DirectUseModel())
+        tokens, targets = my_micro_batch(case_batches(case)[0], 0, case)
+        engine(tokens, targets)  # dropped
+        loss = engine(tokens, targets)
+        if stage == 3:
+            engine.empty_partition_cache()
+        engine.backward(loss)
+        grads = full_grads(engine)
+        engine.step()
+        out[stage] = {"grads": grads, "gathered": _gathered_units(engine)}
+        engine.destroy()
+    return out
