@@ -414,6 +414,10 @@ class Engine(EngineAPI):
                         "engine.step(): no optimizer. Set 'optimizer' in the config or pass optimizer=."
                     )
                 self._grads.flush()
+                if self._grads.params is not None:
+                    # A unit pinned by a forward no backward followed would keep stale values
+                    # after the update (param_schedule.py's [Note: pinned units]).
+                    self._grads.params.free_all()
                 faults.where.step = self.global_steps
                 position = (self.global_steps, self._grads.training_forwards)
                 self._grads.training_forwards = 0

@@ -114,6 +114,8 @@ class EngineAPI:
         stage-3 units under `stage3_param_persistence_threshold`)."""
         if self._grads.in_backward or self._grads.forward_depth:
             raise RuntimeError("engine.empty_partition_cache(): call it outside forward and backward.")
+        if self._grads.params is not None:
+            self._grads.params.free_all()  # pins too
         for unit in self.units:
             unit.free()
         if torch.cuda.is_available():

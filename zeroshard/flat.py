@@ -136,9 +136,12 @@ class FlatParamGroup:
         return lo - self.shard_start, lo - self.offsets[index], hi - lo
 
     def _attach_views(self) -> None:
-        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=False):
-            p.data = self.full.narrow(0, off, n).view(shape)
-            p.ds_shape, p.ds_numel = shape, n  # the full shape, also while freed (DeepSpeed's names)
+        # Torch function modes off: the engine's own writes are no use of the parameter
+        # (zeroshard/direct_use.py's mode would take them for one).
+        with torch._C.DisableTorchFunction():
+            for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=False):
+                p.data = self.full.narrow(0, off, n).view(shape)
+                p.ds_shape, p.ds_numel = shape, n  # the full shape, also while freed (DeepSpeed's names)
 
     def _detach_views(self) -> None:
         """[Note: a freed parameter is visibly empty]
@@ -150,8 +153,9 @@ class FlatParamGroup:
         `ds_shape` keeps the full shape. Read the values inside
         zeroshard.zero.GatheredParameters."""
         empty = self.full.new_empty(0)
-        for p in self.params:
-            p.data = empty
+        with torch._C.DisableTorchFunction():  # see _attach_views
+            for p in self.params:
+                p.data = empty
 
     # ----------------------------------------------------------------- master
     @property

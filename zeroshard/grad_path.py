@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .grad_reduce import GradientReducer
 from .stages import StagePolicy
@@ -174,7 +174,8 @@ class GradientPath:
     def _root_post(self, module, args, output):
         self.forward_depth -= 1
         if self.params is not None:
-            self.params.root_post_forward(outermost=self.forward_depth == 0)
+            needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
+            self.params.root_post_forward(outermost=self.forward_depth == 0, backward_may_follow=needs_grad)
         if output is None:
             return None
         return wrap_outputs(output, self._root_output_grad)

@@ -29,6 +29,18 @@ that too is before the inputs' gradient, between the same all-gathers). A unit w
 carry no gradient (token ids) keeps the old rule; so does any unit after a forward with
 gradients on that no backward followed (its counts are off until the next backward ends).
 
+[Note: pinned units]
+A unit whose parameter is used directly (zeroshard/direct_use.py's note) is pinned: gathered at
+the use and kept gathered, whatever its own hooks or its reduction would free, until the end
+of the backward that follows (`free_all` at the epilogue), or the end of the forward when no
+output of it requires grad (no backward can follow: evaluation, `torch.no_grad()`). Keeping it
+is what makes the use safe in backward, where no mode sees the tensors: an op's saved views of
+the parameter, an activation checkpoint's recomputation (reentrant checkpointing runs the
+forward under no_grad, so grad mode cannot decide the pin), an in-place op. The outputs of a
+direct use also gather and pin the unit when the gradient reaches them, for a second backward
+through a retained graph. The cost: such a unit stays materialised from its use to the end of
+the backward. `step()` releases every pin (a gathered copy is stale after the update).
+
 The root module's hooks belong to the gradient path (zeroshard/grad_path.py), which calls
 `root_pre_forward`, `root_post_forward` and `root_backward` here; this class installs the
 hooks of the other units itself. At stages 0-2 there is no schedule (parameters stay whole).
@@ -42,6 +54,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from .direct_use import DirectUseMode, param_finder
 from .grad_path import EngineHook, wrap_outputs
 from .unit import Unit
 
@@ -74,13 +87,26 @@ class ParamSchedule:
         self._position: dict[int, int] = {}
         self._handles: list[Any] = []
         self._running: set[int] = set()  # ids of the units whose own module's forward is running
+        self._parts_running: dict[int, int] = {}  # unit id -> its submodules' forwards running
+        self._pinned: dict[int, Unit] = {}  # see [Note: pinned units]
+        self._pinned_now: list[Unit] = []  # pinned by the running outermost forward
         for unit in units[1:]:
             self._handles.append(unit.module.register_forward_pre_hook(EngineHook(self._unit_pre(unit))))
             self._handles.append(unit.module.register_forward_hook(EngineHook(self._unit_post(unit)), always_call=True))
             for module in unit.module.modules():
                 if module is not unit.module and module._parameters:
                     self._handles.append(module.register_forward_pre_hook(EngineHook(self._part_pre(unit))))
-                    self._handles.append(module.register_forward_hook(EngineHook(self._part_post(unit))))
+                    self._handles.append(
+                        module.register_forward_hook(EngineHook(self._part_post(unit)), always_call=True)
+                    )
+        # Parameters of the units that are gathered and freed (not the root's, not resident ones).
+        owner = {id(p): unit for unit in units[1:] for flat in unit.flats for p in flat.params
+                 if not flat.policy.keep_full_params}
+        self._mode = (
+            DirectUseMode(param_finder(owner, self._outside), self._use_directly, self._wrap_direct_output)
+            if owner else None
+        )
+        self._mode_depth = 0
         for unit in units:
             within = {id(m) for m in unit.module.modules()}
             covered = [u for u in units if id(u.module) in within]  # the root's: every unit
@@ -94,16 +120,33 @@ class ParamSchedule:
 
     # -------------------------------------------------------------- root module
     def root_pre_forward(self, outermost: bool) -> None:
-        if outermost and not self._in_backward():
-            self._order_now = []
+        if outermost:
+            self._running.clear()  # left over if a forward raised
+            self._parts_running.clear()
+            if not self._in_backward():
+                self._order_now = []
+                self._pinned_now = []
+            if self._mode is not None:
+                self._mode.__enter__()
+                self._mode_depth += 1
         self.root.gather()
 
-    def root_post_forward(self, outermost: bool) -> None:
-        if outermost and not self._in_backward():
+    def root_post_forward(self, outermost: bool, backward_may_follow: bool) -> None:
+        """`backward_may_follow`: some output of the forward requires grad."""
+        if not outermost:
+            return
+        if self._mode_depth:
+            self._mode_depth -= 1
+            self._mode.__exit__(None, None, None)
+        if not self._in_backward():
             if self._order_now:
                 self._forward_order = list(self._order_now)
                 self._position = {id(u): i for i, u in enumerate(self._forward_order)}
-            self.free_all()  # including prefetched units the forward did not reach
+            if not backward_may_follow:
+                for unit in self._pinned_now:
+                    self._pinned.pop(id(unit), None)
+            self._pinned_now = []
+            self.free_all(keep_pinned=True)  # including prefetched units the forward did not reach
 
     def root_backward(self) -> None:
         self.root.gather()
@@ -112,12 +155,40 @@ class ParamSchedule:
     def unit_reduced(self, unit: Unit) -> None:
         """The unit's gradient is queued for reduction: its parameters are not needed until
         the next forward (the root unit's may still be, by any later unit's backward)."""
-        if unit is not self.root:
+        if unit is not self.root and id(unit) not in self._pinned:
             unit.free()
 
-    def free_all(self) -> None:
+    def free_all(self, keep_pinned: bool = False) -> None:
+        """Free every unit (a no-op for resident ones); without `keep_pinned`, the end of a
+        backward (or a step), release every pin first."""
+        if not keep_pinned:
+            self._pinned.clear()
         for unit in self.units:
-            unit.free()  # a no-op for units that keep their full parameters (resident)
+            if id(unit) not in self._pinned:
+                unit.free()
+
+    # ------------------------------------------------------------ direct use
+    def _outside(self, unit: Unit) -> bool:
+        """Neither the unit's module nor one of its submodules is running its forward."""
+        return id(unit) not in self._running and not self._parts_running.get(id(unit))
+
+    def _use_directly(self, units: list[Unit]) -> None:
+        """A parameter of each unit is about to be read by code outside it: gather and pin."""
+        for unit in units:
+            unit.gather()  # a collective: every rank uses the parameter (docs/reliability.md)
+            if id(unit) not in self._pinned:
+                self._pinned[id(unit)] = unit
+                self._pinned_now.append(unit)
+
+    def _wrap_direct_output(self, output: Any, units: list[Unit]) -> Any:
+        def on_grad(grad):
+            # A backward through a retained graph after the first one released the pin.
+            for unit in units:
+                unit.gather()
+                self._pinned[id(unit)] = unit
+            return grad
+
+        return wrap_outputs(output, on_grad)
 
     # ------------------------------------------------------------ other units
     def _unit_pre(self, unit: Unit):
@@ -151,7 +222,7 @@ class ParamSchedule:
             self._running.discard(id(unit))
             # During a backward the forward is a checkpoint's recomputation: the backward
             # that follows needs the parameters, so they are freed after it instead.
-            if not self._in_backward():
+            if not self._in_backward() and id(unit) not in self._pinned:
                 unit.free()
 
             def on_grad(grad):
@@ -194,6 +265,7 @@ class ParamSchedule:
     def _part_pre(self, unit: Unit):
         def pre(module, args):
             if id(unit) not in self._running:
+                self._parts_running[id(unit)] = self._parts_running.get(id(unit), 0) + 1
                 unit.gather()
 
         return pre
@@ -206,6 +278,7 @@ class ParamSchedule:
         def post(module, args, output):
             if id(unit) in self._running:
                 return None
+            self._parts_running[id(unit)] = max(0, self._parts_running.get(id(unit), 0) - 1)
             return wrap_outputs(output, on_grad)
 
         return post
