@@ -12,8 +12,12 @@ the global norm before calling `step`, on every stage):
 
 Which parameters use Muon is decided on full (unsharded) shapes and names, before any flat
 buffer exists (`classify_parameter`): 2-D or more, not an `nn.Embedding` weight (tied ones
-included), and a name that contains none of `muon_exclude_patterns` ("embed", "lm_head").
-A 3-D parameter is a stack of matrices [E, rows, cols] (experts), orthogonalized one by one;
+included), a name that contains none of `muon_exclude_patterns` ("embed", "lm_head") and
+has none of `muon_exclude_modules` ("gate", "router": MoE routers) as a dotted component. A
+parameter's own `use_muon` attribute (DeepSpeed's tag) overrides the name and embedding rules.
+A 3-D parameter is a stack of matrices [E, rows, cols] (stacked experts, AutoEP's
+`experts.w1/w2/w3` [local experts, rows, cols]), each expert orthogonalized on its own (with
+its own norm), batched over the expert dimension;
 4-D and more (conv) is viewed as (out, rest). The engine puts the two kinds into separate
 optimizer groups (`split_param_groups`), so each flat buffer, and hence each master tensor,
 holds one kind only: Muon masters keep one state tensor ("momentum_buffer"), AdamW masters
@@ -39,6 +43,7 @@ from torch import nn
 
 from .muon_groups import (
     MuonChoice,
+    classify_named_parameter,
     classify_parameter,
     embedding_param_ids,
     matrix_layout,
@@ -55,6 +60,7 @@ from .muon_maths import (
 from .muon_settings import (
     ADAM_LR,
     CONFIG_KEYS,
+    DEFAULT_EXCLUDE_MODULES,
     DEFAULT_EXCLUDE_PATTERNS,
     MUON_LR,
     MuonSettings,
@@ -67,6 +73,7 @@ from .newton_schulz import DEFAULT_NS_STEPS, orthogonalize, update_scale
 __all__ = [
     "ADAM_LR",
     "CONFIG_KEYS",
+    "DEFAULT_EXCLUDE_MODULES",
     "DEFAULT_EXCLUDE_PATTERNS",
     "MUON_LR",
     "Muon",
@@ -75,6 +82,7 @@ __all__ = [
     "ShardedMuon",
     "assign_owners",
     "build_muon",
+    "classify_named_parameter",
     "classify_parameter",
     "is_muon_requested",
     "matrix_layout",
@@ -125,11 +133,13 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = DEFAULT_NS_STEPS,
         ns_dtype: str = "auto",
         muon_exclude_patterns: Sequence[str] = DEFAULT_EXCLUDE_PATTERNS,
+        muon_exclude_modules: Sequence[str] = DEFAULT_EXCLUDE_MODULES,
     ) -> None:
         cfg: dict[str, Any] = {
             "momentum": momentum, "weight_decay": weight_decay, "ns_method": ns_method,
             "betas": tuple(betas), "eps": eps, "nesterov": nesterov, "ns_steps": ns_steps,
             "ns_dtype": ns_dtype, "muon_exclude_patterns": tuple(muon_exclude_patterns),
+            "muon_exclude_modules": tuple(muon_exclude_modules),
         }
         for key, value in (("lr", lr), ("muon_lr", muon_lr), ("adam_lr", adam_lr)):
             if value is not None:
@@ -163,7 +173,7 @@ class Muon(torch.optim.Optimizer):
                 "parameters carry no names, so the embedding and output head would get Muon."
             )
         self.choices = [
-            classify_parameter(n, p.shape, settings.muon_exclude_patterns, id(p) in embeddings) for n, p in items
+            classify_named_parameter(n, p, settings, embeddings) for n, p in items
         ]
         groups = []
         for use_muon in (True, False):

@@ -10,7 +10,14 @@ from typing import Any
 
 from torch import nn
 
-from .muon_settings import ADAM_KEYS, DEFAULT_EXCLUDE_PATTERNS, MUON_KEYS, parse_muon_params
+from .muon_settings import (
+    ADAM_KEYS,
+    DEFAULT_EXCLUDE_MODULES,
+    DEFAULT_EXCLUDE_PATTERNS,
+    MUON_KEYS,
+    MuonSettings,
+    parse_muon_params,
+)
 
 
 @dataclass(frozen=True)
@@ -40,19 +47,40 @@ def matrix_layout(shape: Sequence[int]) -> tuple[int, int, int]:
 
 def classify_parameter(
     name: str, shape: Sequence[int], exclude_patterns: Sequence[str] = DEFAULT_EXCLUDE_PATTERNS,
-    is_embedding: bool = False,
+    is_embedding: bool = False, exclude_modules: Sequence[str] = DEFAULT_EXCLUDE_MODULES,
+    forced: bool | None = None,
 ) -> MuonChoice:
-    """Muon or AdamW for one parameter, decided on its full shape and name."""
+    """Muon or AdamW for one parameter, decided on its full shape and name.
+
+    In order: fewer than 2 dimensions or no elements: AdamW; `forced` (the parameter's own
+    `use_muon` attribute, DeepSpeed's tag) decides next; then an `nn.Embedding` weight, a
+    name containing one of `exclude_patterns`, or a name with one of `exclude_modules` as a
+    whole dotted component (MoE routers: `...gate.wg.weight`, `mlp.gate.weight`,
+    `router.weight`) get AdamW; every other matrix gets Muon.
+
+    Raises:
+        ValueError: `forced` is True for a parameter that is not a matrix.
+    """
     shape = tuple(shape)
-    if len(shape) < 2:
-        return MuonChoice(name, shape, False, f"{len(shape)}-D")
-    if math.prod(shape) == 0:
-        return MuonChoice(name, shape, False, "empty")
-    if is_embedding:
-        return MuonChoice(name, shape, False, "nn.Embedding weight")
-    for pattern in exclude_patterns:
-        if pattern in name:
-            return MuonChoice(name, shape, False, f"name contains {pattern!r}")
+    if len(shape) < 2 or math.prod(shape) == 0:
+        if forced:
+            raise ValueError(
+                f"parameter {name!r} (shape {shape}) has use_muon=True, but Muon updates whole matrices. "
+                "Set its use_muon attribute to False, or delete it."
+            )
+        return MuonChoice(name, shape, False, f"{len(shape)}-D" if len(shape) < 2 else "empty")
+    if forced is False:
+        return MuonChoice(name, shape, False, "use_muon=False on the parameter")
+    if not forced:
+        if is_embedding:
+            return MuonChoice(name, shape, False, "nn.Embedding weight")
+        for pattern in exclude_patterns:
+            if pattern in name:
+                return MuonChoice(name, shape, False, f"name contains {pattern!r}")
+        components = name.split(".")
+        for module in exclude_modules:
+            if module in components:
+                return MuonChoice(name, shape, False, f"router: name component {module!r}")
     count, rows, cols = matrix_layout(shape)
     if len(shape) == 2:
         reason = f"matrix {rows}x{cols}"
@@ -60,7 +88,19 @@ def classify_parameter(
         reason = f"{count} stacked matrices {rows}x{cols}"
     else:
         reason = f"{len(shape)}-D, viewed as {rows}x{cols}"
+    if forced:
+        reason += ", use_muon=True on the parameter"
     return MuonChoice(name, shape, True, reason)
+
+
+def classify_named_parameter(name: str, p: nn.Parameter, settings: MuonSettings, embeddings: set[int]) -> MuonChoice:
+    """`classify_parameter` for a model's parameter, with the settings' exclusions and the
+    parameter's own `use_muon` attribute (absent: None)."""
+    forced = getattr(p, "use_muon", None)
+    return classify_parameter(
+        name, p.shape, settings.muon_exclude_patterns, id(p) in embeddings, settings.muon_exclude_modules,
+        None if forced is None else bool(forced),
+    )
 
 
 def embedding_param_ids(model: nn.Module) -> set[int]:
@@ -75,8 +115,7 @@ def muon_param_plan(model: nn.Module, params_cfg: Mapping[str, Any] | None = Non
     settings = parse_muon_params(params_cfg)
     embeddings = embedding_param_ids(model)
     return [
-        classify_parameter(n, p.shape, settings.muon_exclude_patterns, id(p) in embeddings)
-        for n, p in model.named_parameters() if p.requires_grad
+        classify_named_parameter(n, p, settings, embeddings) for n, p in model.named_parameters() if p.requires_grad
     ]
 
 
@@ -120,8 +159,7 @@ def split_param_groups(
             parts = [(use_muon, members[index])]
         else:
             kinds = {
-                id(p): classify_parameter(name, p.shape, settings.muon_exclude_patterns, id(p) in embeddings).use_muon
-                for name, p in members[index]
+                id(p): classify_named_parameter(name, p, settings, embeddings).use_muon for name, p in members[index]
             }
             parts = [(kind, [(n, p) for n, p in members[index] if kinds[id(p)] == kind]) for kind in (True, False)]
         for use_muon, params in parts:

@@ -12,6 +12,10 @@ from typing import Any
 from .newton_schulz import DEFAULT_NS_STEPS, NS_DTYPE_NAMES, NS_METHODS
 
 DEFAULT_EXCLUDE_PATTERNS = ("embed", "lm_head")
+# MoE routers: DeepSpeed's MoE (`deepspeed_moe.gate.wg`), Hugging Face's Mixtral, Qwen3-MoE
+# and DeepSeek (`mlp.gate`), AutoEP (`router`). Matched as whole name components, so an
+# MLP's `gate_proj` or a fused `gate_up_proj` still gets Muon.
+DEFAULT_EXCLUDE_MODULES = ("gate", "router")
 # DeepSpeed's defaults (MuonWithAuxAdam): Muon lr 0.02, momentum 0.95, gram; AdamW lr 3e-4,
 # betas (0.9, 0.95), eps 1e-10; no weight decay.
 MUON_LR = 0.02
@@ -20,7 +24,7 @@ MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps", "ns_metho
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 CONFIG_KEYS = frozenset(
     {"lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "ns_method", "betas", "eps",
-     "nesterov", "ns_steps", "ns_dtype", "muon_exclude_patterns"}
+     "nesterov", "ns_steps", "ns_dtype", "muon_exclude_patterns", "muon_exclude_modules"}
 )
 
 
@@ -43,6 +47,7 @@ class MuonSettings:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-10
     muon_exclude_patterns: tuple[str, ...] = DEFAULT_EXCLUDE_PATTERNS
+    muon_exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE_MODULES
 
     def group_defaults(self, use_muon: bool) -> dict[str, Any]:
         """Hyper-parameters of an optimizer group of one kind."""
@@ -102,6 +107,13 @@ def muon_param_problems(params: Mapping[str, Any] | None) -> list[str]:
             f"optimizer.params.muon_exclude_patterns={patterns!r}: must be a list of non-empty "
             "name substrings (parameters whose name contains one use AdamW)."
         )
+    modules = params.get("muon_exclude_modules", DEFAULT_EXCLUDE_MODULES)
+    if isinstance(modules, str) or not isinstance(modules, (list, tuple)) or not all(
+            isinstance(s, str) and s and "." not in s for s in modules):
+        problems.append(
+            f"optimizer.params.muon_exclude_modules={modules!r}: must be a list of module names without "
+            "dots (a parameter with one of them as a component of its dotted name uses AdamW; [] for none)."
+        )
     return problems
 
 
@@ -132,4 +144,5 @@ def parse_muon_params(params: Mapping[str, Any] | None) -> MuonSettings:
         betas=(float(betas[0]), float(betas[1])),
         eps=float(params.get("eps", 1e-10)),
         muon_exclude_patterns=tuple(patterns),
+        muon_exclude_modules=tuple(params.get("muon_exclude_modules", DEFAULT_EXCLUDE_MODULES)),
     )
