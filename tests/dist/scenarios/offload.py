@@ -80,6 +80,9 @@ def train_backwards(case: Case, backwards: int) -> dict[str, Any]:
         out["host_grad_bytes"].append(None if host is None else host.nbytes())
     out["placement"] = (engine.layout.dense.placement, engine.layout.dense.param_placement)
     out["master_devices"] = sorted({str(f.master.device) for f in engine.flats})
+    out["master_dtypes"] = sorted({str(f.master.dtype) for f in engine.flats})
+    out["state_dtypes"] = sorted({str(t.dtype) for f in engine.flats for t in engine.optimizer.state[f.master].values()
+                                  if isinstance(t, torch.Tensor) and t.dim() > 0})
     out["optimizer"] = type(engine.optimizer).__name__
     out["master_is_param"] = [f.master is f.param_shard or not f.master_is_own_copy for f in engine.flats]
     return out
