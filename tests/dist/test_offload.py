@@ -26,6 +26,7 @@ import torch
 
 from tests.dist.scenarios.common import Case
 from tests.dist.scenarios.offload import (
+    grad_changed_before_step,
     load_moved,
     modify_with_gathered_parameters,
     offload_vs_none,
@@ -243,3 +244,42 @@ def test_other_precision_modes_with_offload(dist_pool):
         for step in range(case.steps):
             diff = max_diff(off["master"][step], none["master"][step])
             assert diff <= TOLERANCE["bf16"], f"{case.label}: step {step + 1} masters differ by {diff:.3g}"
+
+
+SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 40}}  # flats span several buckets
+
+
+def test_gradient_lands_on_the_host_bucket_by_bucket(dist_pool):
+    """The boundary backward's reduced shards go to the host piece by piece as each bucket's
+    reduction completes ([Note: landing bucket by bucket] in zeroshard/offload.py): with
+    buckets smaller than a flat, several backwards per step, accumulation 4 and no_sync, every
+    flat's gradient is taken from the landed buffer at every step, never moved whole, and the
+    masters equal the run without offload bit for bit (fp32 and bf16; on CPU both paths run
+    the same kernels, so any difference would be a landing bug: a missed or stale piece)."""
+    styles = ((1, 4, "engine"), (4, 1, "engine"), (4, 2, "no_sync"))
+    cases = [
+        (Case(stage=stage, mode=mode, micro=4, ga=ga, keep=KEEP, style=style, extra=SMALL_BUCKETS), k)
+        for stage, mode in ((1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")) for ga, k, style in styles
+    ]
+    results = dist_pool(2).run(offload_vs_none, cases, timeout=600)[0]
+    for (case, k), result in zip(cases, results, strict=True):
+        none, off = result["none"], result["offload"]
+        label = f"{case.label} backwards={k}"
+        assert off["host_moves"] == {"landed": off["flats"] * case.steps, "whole": 0}, f"{label}: {off['host_moves']}"
+        assert off["norms"] == none["norms"], label
+        for step in range(case.steps):
+            assert max_diff(off["master"][step], none["master"][step]) == 0.0, f"{label}: step {step + 1}"
+
+
+def test_gradient_changed_after_landing_moves_again(dist_pool):
+    """safe_set_full_grad between the boundary backward and the step changes a landed
+    gradient: that flat moves whole at the step (the others still landed), and training
+    equals the run without offload with the same change."""
+    cases = [Case(stage=stage, keep=KEEP, extra=SMALL_BUCKETS) for stage in (1, 2, 3)]
+    results = dist_pool(2).run(grad_changed_before_step, cases, timeout=300)[0]
+    for case, runs in zip(cases, results, strict=True):
+        moves = runs["offload"]["host_moves"]
+        assert moves["whole"] == case.steps and moves["landed"] > 0, f"{case.label}: {moves}"
+        for step in range(case.steps):
+            diff = max_diff(runs["offload"]["master"][step], runs["none"]["master"][step])
+            assert diff == 0.0, f"{case.label}: step {step + 1} differs by {diff:.3g}"
