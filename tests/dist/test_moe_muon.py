@@ -152,3 +152,23 @@ def test_moe_groups_have_the_right_kind_and_lr(runs, case):
             assert moe == (".deepspeed_experts." in name or name in STACKED), f"{case.label} {name}: moe={moe}"
         assert not groups["moe.deepspeed_moe.gate.wg.weight"][0] and not groups["stacked.router.weight"][0]
         assert groups["stacked.experts.w1"][0] and groups["head.weight"][0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+def test_stacked_experts_are_owned_per_expert_slice(runs, case):
+    """Each expert matrix of a stacked weight is its own Newton-Schulz task with one owner in
+    the expert-data-parallel group (the same assignment on every rank of it); with two ranks
+    there (ep_size 1 here) the slices are spread over both."""
+    local = NUM_EXPERTS // case.ep_size
+    per_rank = [runs[rank][CASES.index(case)] for rank in range(WORLD)]
+    for rank, result in enumerate(per_rank):
+        owners = result["owners"]
+        assert result["edp"] == WORLD // case.ep_size
+        for name in STACKED:
+            assert name not in owners, f"{case.label}: {name} owned as one matrix"
+            slices = {e: owners[f"{name}[{e}]"] for e in range(local)}
+            assert set(slices.values()) <= set(range(result["edp"])), f"{case.label} {name}: {slices}"
+            if result["edp"] > 1:
+                assert len(set(slices.values())) == result["edp"], f"{case.label} {name}: {slices}"
+        if case.ep_size == 1:
+            assert owners == per_rank[0]["owners"], f"{case.label}: rank {rank} assigns other owners"

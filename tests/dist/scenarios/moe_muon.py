@@ -154,6 +154,7 @@ def train_cases(cases: list[MuonCase]) -> list[dict[str, Any]]:
                 engine.backward(engine(*micro_batch(rank, step, micro)))
                 engine.step()
             masters.append({n: zeroshard.safe_get_full_fp32_param(p) for n, p in global_names(engine.module).items()})
+        edp = [f.spec.shard.size for f in engine.flats if "stacked.experts.w1" in f.names]
         results.append({"groups": groups, "first": engine.module.stacked.first, "masters": masters,
-                        "optimizer": type(optimizer).__name__})
+                        "optimizer": type(optimizer).__name__, "owners": optimizer.owner_of(), "edp": edp[0]})
     return results
