@@ -1,4 +1,5 @@
-"""Muon with expert parameters (issue 17 item 3), stages 0-3, ep_size 1 and 2.
+"""Muon with expert parameters (issue 17 item 3): world 2 at stages 0-3 with ep_size 1 and 2,
+world 4 with ep_size 2 at stages 1 and 3.
 
 Expert weights in both layouts (DeepSpeed's MoE Linears and AutoEP's stacked
 `experts.w1/w2` [local experts, rows, cols], see tests/dist/scenarios/moe_muon.py) are sharded
@@ -73,17 +74,17 @@ def reference_update(u: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache  # read-only results, shared by the cases of one ep_size
-def reference_run(ep_size: int) -> list[dict[str, torch.Tensor]]:
+def reference_run(ep_size: int, world: int = WORLD) -> list[dict[str, torch.Tensor]]:
     model = build_model(ep_size, 0, full_stack=True)
     params = global_names(model)
     state: dict[str, dict[str, torch.Tensor]] = {n: {} for n in params}
     history = []
     for step in range(1, STEPS + 1):
         model.zero_grad()
-        for rank in range(WORLD):
+        for rank in range(world):
             model.stacked.first = model.stacked.offset = (rank % ep_size) * model.stacked.count
             for micro in range(GA):
-                (model(*micro_batch(rank, step - 1, micro)) / (WORLD * GA)).backward()
+                (model(*micro_batch(rank, step - 1, micro)) / (world * GA)).backward()
         grads = {n: p.grad.double() for n, p in params.items()}
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
         if CLIP / (norm + 1e-6) < 1:
@@ -111,13 +112,11 @@ def runs(dist_pool):
     return dist_pool(WORLD).run(train_cases, CASES, timeout=600)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
-def test_moe_muon_equals_reference_after_two_steps(runs, case):
-    index = CASES.index(case)
-    reference = reference_run(case.ep_size)
+def check_against_reference(per_rank: list, case: MuonCase, world: int) -> None:
+    reference = reference_run(case.ep_size, world)
     local = NUM_EXPERTS // case.ep_size
-    for rank in range(WORLD):
-        result = runs[rank][index]
+    for rank in range(world):
+        result = per_rank[rank]
         assert result["optimizer"] == "ShardedMuon"
         first = result["first"]
         assert first == (rank % case.ep_size) * local
@@ -128,8 +127,27 @@ def test_moe_muon_equals_reference_after_two_steps(runs, case):
                     want = want[first : first + local]
                 torch.testing.assert_close(
                     value.double(), want, rtol=0, atol=PARAM_ATOL,
-                    msg=lambda m, n=name, s=step, r=rank: f"{case.label} rank {r} step {s + 1} {n}: {m}",
+                    msg=lambda m, n=name, s=step, r=rank: f"{case.label} W={world} rank {r} step {s + 1} {n}: {m}",
                 )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+def test_moe_muon_equals_reference_after_two_steps(runs, case):
+    check_against_reference([runs[rank][CASES.index(case)] for rank in range(WORLD)], case, WORLD)
+
+
+def test_local_expert_stacks_sharded_over_two_ranks_at_world_four(dist_pool):
+    """World 4, ep_size 2: each rank holds 2 of the 4 experts and shares them with one other
+    rank (expert-data-parallel group of 2), so at stages 1-3 the local stacks are split
+    between two shards and their slices owned by either rank."""
+    cases = [MuonCase(2, stage, user_groups=stage == 3) for stage in (1, 3)]
+    per_rank = dist_pool(4).run(train_cases, cases, timeout=600)
+    for index, case in enumerate(cases):
+        results = [per_rank[rank][index] for rank in range(4)]
+        assert {r["edp"] for r in results} == {2}
+        check_against_reference(results, case, 4)
+        for r in results:
+            assert len({r["owners"][f"{n}[{e}]"] for n in STACKED for e in range(2)}) == 2, r["owners"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
