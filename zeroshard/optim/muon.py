@@ -17,12 +17,14 @@ has none of `muon_exclude_modules` ("gate", "router": MoE routers) as a dotted c
 parameter's own `use_muon` attribute (DeepSpeed's tag) overrides the name and embedding rules.
 A 3-D parameter is a stack of matrices [E, rows, cols] (stacked experts, AutoEP's
 `experts.w1/w2/w3` [local experts, rows, cols]), each expert orthogonalized on its own (with
-its own norm), batched over the expert dimension;
-4-D and more (conv) is viewed as (out, rest). The engine puts the two kinds into separate
-optimizer groups (`split_param_groups`), so each flat buffer, and hence each master tensor,
-holds one kind only: Muon masters keep one state tensor ("momentum_buffer"), AdamW masters
-two ("exp_avg", "exp_avg_sq") plus "step", all laid out like the master (full at stage 0,
-the shard at stages 1-3), so checkpoints save, load and reshard them like any state.
+its own norm), batched over the expert dimension; 4-D and more (conv) is viewed as
+(out, rest). Files: muon_settings.py (config keys), muon_groups.py (classification and
+the group split), muon_maths.py (shared per-tensor maths), muon_sharded.py (ShardedMuon).
+The engine puts the two kinds into separate optimizer groups (`split_param_groups`), so
+each flat buffer, and hence each master tensor, holds one kind only: Muon masters keep one
+state tensor ("momentum_buffer"), AdamW masters two ("exp_avg", "exp_avg_sq") plus "step",
+all laid out like the master (full at stage 0, the shard at stages 1-3), so checkpoints
+save, load and reshard them like any state.
 
 Only NS needs whole matrices. Each matrix of a flat has an owner rank (balanced by NS work,
 the same on every rank). A step on a Muon master: update m and u on this rank's range;
