@@ -172,6 +172,7 @@ class Engine(EngineAPI):
         self._step = OptimizerStep(
             self.flats, self.layout, plan.check_grad_overflow, self.loss_scaler,
             config.gradient_clipping, zero.allgather_bucket_size, self.device,
+            is_final=self.is_gradient_accumulation_boundary,
         )
         self.optimizer = self._make_optimizer(optimizer, hyper, masters_by_group)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
@@ -187,6 +188,8 @@ class Engine(EngineAPI):
             divisor=lambda: self.data_parallel_size * self.config.gradient_accumulation_steps,
             bucket_numel=bucket_numel,
         )
+        if self._step.host_grads is not None:  # offload: each reduced bucket goes to the host at once
+            reducer.landing = self._step.host_grads.land
         self._grads = GradientPath(
             self.module, self.units, self.policy, reducer,
             # A backward of a loss from `engine.scale` is scaled already (engine_api.py).

@@ -226,7 +226,7 @@ def _placement(config: ZeroshardConfig) -> dict[str, Any]:
     host_params = zero.param_offload and zero.stage == 3
     return {
         "params": "host (shard; gathered on the device)" if host_params else "device",
-        "gradients": "device (reduced shard copied to the host at the step)" if zero.optimizer_offload else "device",
+        "gradients": "device (reduced shard copied to the host per bucket)" if zero.optimizer_offload else "device",
         "master_weights": "host" if zero.optimizer_offload else "device",
         "optimizer_state": "host" if zero.optimizer_offload else "device",
         "optimizer_step": "host CPU (fused CPU Adam)" if zero.optimizer_offload else "device",

@@ -116,6 +116,10 @@ class FlatParamGroup:
         self.reduced_full: torch.Tensor | None = None
         # The full local buffer `reduced_grad` lives in, when a reduction ran in place.
         self._reduced_in_local: torch.Tensor | None = None
+        # Offload: elements of `reduced_grad` copied to the host landing buffer since it last
+        # changed otherwise (zeroshard/offload.py's HostGradients); anything else that writes
+        # it resets this, so the step then moves the whole shard again.
+        self.host_landed = 0
         if not policy.keep_full_params:
             self.free_full()
 
@@ -393,6 +397,7 @@ class FlatParamGroup:
     def clear_reduced(self) -> None:
         """After a step (or zero_grad): zero the reduced gradient; a buffer that was the local
         one becomes the local one again."""
+        self.host_landed = 0
         if self._reduced_in_local is not None:
             base, self._reduced_in_local, self.reduced_grad = self._reduced_in_local, None, None
             self.reduced_full = None

@@ -131,6 +131,9 @@ class GradientReducer:
         # The sum of this rank's own gradients since the last step: only whether it is
         # finite is used, to name the rank a non-finite gradient came from (step.py).
         self._local_sum: torch.Tensor | None = None
+        # Offload (zeroshard/offload.py): told of each piece of a reduced shard once it is
+        # written, so the shard moves to the host bucket by bucket instead of at the step.
+        self.landing: Callable[[FlatParamGroup, int, int], None] | None = None
 
     # ----------------------------------------------------------------- layout
     @staticmethod
@@ -272,3 +275,5 @@ class GradientReducer:
             target.copy_(result)  # the reduced gradient is (part of) the local buffer: adopted in `add`
         else:
             target.add_(result)
+        if self.landing is not None and flat.policy.scatter:
+            self.landing(flat, piece.c0, piece.c1)

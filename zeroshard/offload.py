@@ -9,8 +9,10 @@ host memory, the optimizer stepped by the CPU.
   every numerical path of offload still runs: the host copy is a separate CPU tensor.
 * The gradient path is untouched: every backward of a step (several per step with
   accumulation 1, accumulation > 1, no_sync) accumulates into the same device buffers as
-  without offload, and only the reduced shard of the whole step crosses to the host, once,
-  at the boundary (`HostGradients.receive`, cast to the master dtype on the device first).
+  without offload, and only the reduced shard of the whole step crosses to the host, once:
+  bucket by bucket as the boundary backward's reductions complete (`HostGradients.land`),
+  or whole at the step when something else changed it (`HostGradients.receive`), cast to
+  the master dtype on the device first either way.
   So no backward's gradient can be dropped (DeepSpeed's offload bug gated its host
   accumulation on gradient_accumulation_steps > 1), and a step with one backward allocates
   no host accumulator: only the one landing buffer per flat, reused every step.
@@ -26,12 +28,16 @@ host memory, the optimizer stepped by the CPU.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from .flat import FlatParamGroup
 
 HOST = torch.device("cpu")
 
@@ -81,18 +87,69 @@ def host_copy(source: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tens
 
 
 class HostGradients:
-    """The host buffers the reduced gradient shards land in at each boundary, one per flat,
-    allocated at the first step and reused (pinned when the spec asks)."""
+    """The host buffers the reduced gradient shards land in, one per flat, allocated once and
+    reused (pinned when the spec asks).
 
-    def __init__(self) -> None:
+    [Note: landing bucket by bucket]
+    In the backward that ends the accumulation (`is_final`), the reducer reports each piece of
+    a reduced shard as soon as its bucket's reduction is written (`land`): the piece is cast
+    to the master dtype where it was reduced and copied to the same elements of the host
+    buffer, non-blocking from pinned memory on a GPU, so the copies run while the backward
+    goes on. A later change to the same elements (a flat reduced twice in one backward)
+    lands again; any other change resets `flat.host_landed`, as a reduction outside the
+    final backward does. At the step `take` returns the host buffer if every element
+    landed since, and otherwise `receive` moves the whole shard as before. The cast and the
+    copy are elementwise, so both ways give bitwise the same host gradient.
+    """
+
+    def __init__(self, is_final: Callable[[], bool] | None = None) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
+        self._copied: dict[int, torch.cuda.Event] = {}  # the last non-blocking copy per flat
+        self._is_final = is_final
+        self.moves = {"landed": 0, "whole": 0}  # flats moved each way at the steps so far (tests)
+
+    def _buffer(self, key: int, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, device=HOST, pin_memory=pin)
+            self._buffers[key] = buf
+        return buf
+
+    def land(self, flat: FlatParamGroup, start: int, end: int) -> None:
+        """Elements [start, end) of `flat`'s reduced shard were just written."""
+        if self._is_final is None or not self._is_final():
+            flat.host_landed = 0  # more accumulates before the step: land it then
+            return
+        reduced = flat.reduced_grad
+        dtype = flat.master.dtype
+        buf = self._buffer(id(flat), reduced.numel(), dtype, flat.spec.pin_memory)
+        piece = reduced[start:end]
+        if piece.dtype != dtype:
+            piece = piece.to(dtype)  # cast on the device first, as `receive` does
+        async_copy = piece.is_cuda and buf.is_pinned()
+        buf[start:end].copy_(piece, non_blocking=async_copy)
+        if async_copy:
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[id(flat)] = event
+        flat.host_landed += end - start
+
+    def take(self, flat: FlatParamGroup) -> torch.Tensor | None:
+        """`flat`'s host gradient if all of it landed since it last changed, else None."""
+        buf = self._buffers.get(id(flat))
+        landed, flat.host_landed = flat.host_landed, 0
+        if buf is None or flat.reduced_grad is None or landed < buf.numel() or buf.dtype != flat.master.dtype:
+            return None
+        event = self._copied.pop(id(flat), None)
+        if event is not None:
+            event.synchronize()  # the CPU reads it right away
+        self.moves["landed"] += 1
+        return buf
 
     def receive(self, key: int, grad: torch.Tensor, pin: bool) -> torch.Tensor:
         """Copy `grad` (already in the master dtype) into flat `key`'s host buffer."""
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() != grad.numel() or buf.dtype != grad.dtype:
-            buf = torch.empty(grad.numel(), dtype=grad.dtype, device=HOST, pin_memory=pin)
-            self._buffers[key] = buf
+        buf = self._buffer(key, grad.numel(), grad.dtype, pin)
+        self.moves["whole"] += 1
         # Blocking: the CPU reads it right away (unscale, norm, the host optimizer step).
         buf.copy_(grad.reshape(-1))
         return buf

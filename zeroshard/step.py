@@ -16,6 +16,7 @@ masters and `publish_masters` brings them back in the parameter dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,8 @@ class OptimizerStep:
         clip: gradient_clipping (0: none).
         publish_bucket_numel: allgather_bucket_size for stage 1-2 publishing.
         device: where a norm of no flats lives.
+        is_final: whether the running backward ends the accumulation (offload lands each
+            reduced bucket on the host then: zeroshard/offload.py's HostGradients).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class OptimizerStep:
         clip: float | None,
         publish_bucket_numel: int,
         device: torch.device,
+        is_final: Callable[[], bool] | None = None,
     ) -> None:
         self.flats = flats
         self.layout = layout
@@ -93,7 +97,7 @@ class OptimizerStep:
         self.publish_bucket_numel = publish_bucket_numel
         self.device = device
         self.placement = resolve_placement(flats)
-        self.host_grads = HostGradients() if self.placement == "host" else None
+        self.host_grads = HostGradients(is_final) if self.placement == "host" else None
         self.optimizer: Any = None
         self.lr_scheduler: Any = None
 
@@ -120,10 +124,11 @@ class OptimizerStep:
         scale = self.loss_scaler.scale
         grads = []
         for flat in self.flats:
-            grad = flat.reduced_grad_buffer()
+            landed = self.host_grads.take(flat) if self.host_grads is not None else None
+            grad = landed if landed is not None else flat.reduced_grad_buffer()
             if grad.dtype != flat.master.dtype:
                 grad = grad.to(flat.master.dtype)
-            if self.host_grads is not None:  # cast on the device first, then move the shard
+            if self.host_grads is not None and landed is None:  # cast on the device first, then move it
                 grad = self.host_grads.receive(id(flat), grad, flat.spec.pin_memory)
             flat.master.grad = grad
             grads.append(grad)

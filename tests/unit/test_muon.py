@@ -109,6 +109,49 @@ def test_exclude_patterns_are_configurable():
     assert not classify_parameter("blocks.0.attn.weight", (6, 6), exclude_patterns=("attn",)).use_muon
 
 
+def test_moe_routers_get_adamw_and_gate_projections_muon():
+    """Routers are matched as whole name components: DeepSpeed's MoE gate, Hugging Face's
+    mlp.gate, AutoEP's router; an MLP's gate_proj and a fused gate_up_proj are matrices."""
+    for name in ("layers.0.moe.deepspeed_moe.gate.wg.weight", "model.layers.1.mlp.gate.weight",
+                 "layers.0.mlp.router.weight", "layers.0.mlp.router.gate.weight"):
+        choice = classify_parameter(name, (8, 16))
+        assert not choice.use_muon and choice.reason.startswith("router: name component"), name
+    for name, shape in (("model.layers.0.mlp.gate_proj.weight", (16, 8)),
+                        ("layers.0.mlp.experts.gate_up_proj", (4, 32, 8)),
+                        ("layers.0.mlp.experts.w1", (4, 16, 8)), ("layers.0.mlp.experts.w2", (4, 8, 16)),
+                        ("layers.0.gates.weight", (8, 8))):
+        assert classify_parameter(name, shape).use_muon, name
+    # Configurable: [] gives routers Muon again; other names can be added.
+    assert classify_parameter("mlp.gate.weight", (8, 16), exclude_modules=()).use_muon
+    assert not classify_parameter("mlp.switch.weight", (8, 16), exclude_modules=("switch",)).use_muon
+    assert parse_muon_params({"muon_exclude_modules": ["switch"]}).muon_exclude_modules == ("switch",)
+    assert parse_muon_params({}).muon_exclude_modules == ("gate", "router")
+    with pytest.raises(ValueError, match=r"optimizer.params.muon_exclude_modules='gate': must be a list"):
+        parse_muon_params({"muon_exclude_modules": "gate"})
+    with pytest.raises(ValueError, match=r"muon_exclude_modules=\['mlp.gate'\]: must be a list of module names"):
+        parse_muon_params({"muon_exclude_modules": ["mlp.gate"]})
+
+
+def test_use_muon_attribute_overrides_the_name_rules():
+    """A parameter's own use_muon attribute (DeepSpeed's tag) wins over names and embeddings,
+    in the engine's split, the plan and the single-process Muon; a vector cannot be forced."""
+    model = Net()
+    params = dict(model.named_parameters())
+    params["up.weight"].use_muon = False
+    params["embed_pos"].use_muon = True
+    plan = {c.name: c for c in muon_param_plan(model)}
+    assert plan["up.weight"].reason == "use_muon=False on the parameter" and not plan["up.weight"].use_muon
+    assert plan["embed_pos"].use_muon and plan["embed_pos"].reason.endswith("use_muon=True on the parameter")
+    hyper, group_of = split_param_groups(model, [{}], {id(p): 0 for p in model.parameters()}, {})
+    assert {n for n, p in params.items() if hyper[group_of[id(p)]]["use_muon"]} == (
+        MUON_NAMES - {"up.weight"} | {"embed_pos"})
+    opt = Muon(model)
+    assert {c.name for c in opt.choices if c.use_muon} == MUON_NAMES - {"up.weight"} | {"embed_pos"}
+    params["norm.weight"].use_muon = True
+    with pytest.raises(ValueError, match=r"'norm.weight' \(shape \(6,\)\) has use_muon=True"):
+        muon_param_plan(model)
+
+
 def test_matrix_layout():
     assert matrix_layout((12, 6)) == (1, 12, 6)
     assert matrix_layout((8, 4, 6)) == (8, 4, 6)  # experts

@@ -103,6 +103,42 @@ def test_batch_is_per_matrix(method):
     torch.testing.assert_close(orthogonalize(experts.view(2, 2, 8, 24), method=method).view(4, 8, 24), batched)
 
 
+def _reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The quintic of [Note: Newton-Schulz] on one float64 matrix, written from the formula."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = g.shape[0] > g.shape[1]
+    x = g.T if tall else g
+    x = x / (torch.linalg.norm(x) + 1e-7)
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+@pytest.mark.parametrize("rows,cols", [(6, 24), (24, 6), (8, 8), (12, 20)])
+def test_expert_stack_equals_each_expert_alone_in_float64(rows, cols, method):
+    """A stack [E, rows, cols] (AutoEP's experts.w1/w2/w3) in one batched fp32 call equals
+    the float64 formula applied to each expert matrix alone: wide (Gram where cheaper), tall
+    (transposed per slice), square. The experts' scales differ by 1e8 and their conditioning
+    by 1e4: an expert normalised by the stack's norm instead of its own would come out
+    ~1e-4 times too small (or NS would not converge for it), far outside the tolerance.
+    Tolerance 2e-5 on entries ~0.3: fp32 against float64 for condition numbers up to 1e4, as
+    in test_both_forms_match_float64_in_fp32."""
+    scales = (1e-4, 1.0, 1e4, 3e-2)
+    conditions = (1.0, 1e2, 1e4, 10.0)
+    stack = torch.stack([
+        _conditioned(rows, cols, cond, seed=10 * e + rows) * scale
+        for e, (scale, cond) in enumerate(zip(scales, conditions, strict=True))
+    ])
+    batched = orthogonalize(stack.float(), method=method)
+    assert batched.shape == stack.shape and batched.dtype == torch.float32
+    for e in range(len(scales)):
+        expected = _reference_newton_schulz(stack[e])
+        torch.testing.assert_close(batched[e].double(), expected, rtol=0, atol=2e-5,
+                                   msg=lambda m, e=e: f"expert {e}: {m}")
+
+
 def test_tall_matrices_are_transposed():
     torch.manual_seed(3)
     g = torch.randn(40, 10)

@@ -123,6 +123,7 @@ def _reduced_for_writing(flat: FlatParamGroup, what: str) -> torch.Tensor:
             f"{what}: this rank holds gradients not reduced yet (a backward that was not the "
             "accumulation boundary). Call it after the boundary backward, before engine.step()."
         )
+    flat.host_landed = 0  # the caller changes it: an offloaded step must move it again
     return flat.reduced_grad_buffer()
 
 

@@ -80,6 +80,11 @@ def train_backwards(case: Case, backwards: int) -> dict[str, Any]:
         out["host_grad_bytes"].append(None if host is None else host.nbytes())
     out["placement"] = (engine.layout.dense.placement, engine.layout.dense.param_placement)
     out["master_devices"] = sorted({str(f.master.device) for f in engine.flats})
+    out["host_moves"] = None if engine._step.host_grads is None else dict(engine._step.host_grads.moves)
+    out["flats"] = len(engine.flats)
+    out["master_dtypes"] = sorted({str(f.master.dtype) for f in engine.flats})
+    out["state_dtypes"] = sorted({str(t.dtype) for f in engine.flats for t in engine.optimizer.state[f.master].values()
+                                  if isinstance(t, torch.Tensor) and t.dim() > 0})
     out["optimizer"] = type(engine.optimizer).__name__
     out["master_is_param"] = [f.master is f.param_shard or not f.master_is_own_copy for f in engine.flats]
     return out
@@ -241,4 +246,28 @@ def modify_with_gathered_parameters(cases: list[Case]) -> list[dict[str, Any]]:
                 with torch.no_grad():
                     param.fill_(0.5)
         results.append({"before": before, "after": full_masters(engine), "module": full_module_params(engine)})
+    return results
+
+
+def grad_changed_before_step(cases: list[Case]) -> list[dict[str, Any]]:
+    """Each case without and with offload; after every boundary backward, before the step,
+    `safe_set_full_grad` doubles one parameter's gradient (so the landed host copy is stale)."""
+    from zeroshard.utils import safe_get_full_grad, safe_set_full_grad
+
+    results = []
+    for case in cases:
+        runs = {}
+        for variant, run_case in (("none", case), ("offload", with_offload(case))):
+            engine = build_engine(run_case)
+            param = next(p for n, p in engine.module.named_parameters() if n.endswith("fc.weight"))
+            out: dict[str, Any] = {"master": []}
+            for batch in case_batches(run_case):
+                engine_loop_step(engine, run_case, batch)
+                safe_set_full_grad(param, safe_get_full_grad(param) * 2)
+                engine.step()
+                out["master"].append(full_masters(engine))
+            host = engine._step.host_grads
+            out["host_moves"] = None if host is None else dict(host.moves)
+            runs[variant] = out
+        results.append(runs)
     return results
