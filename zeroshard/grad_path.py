@@ -151,15 +151,27 @@ class GradientPath:
             root.register_forward_pre_hook(EngineHook(self._root_pre), prepend=True),
             root.register_forward_hook(EngineHook(self._root_post), always_call=True),
         ]
+        views_possible = not policy.scatter and not policy.reduce_every_backward  # stages 0-1 (grad_views.py)
         for unit in units:
             for flat in unit.flats:
                 for index, p in enumerate(flat.params):
+                    if views_possible:
+                        self._handles.append(p.register_hook(EngineHook(self._drop_views_before_accumulation)))
                     self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(unit, flat, index)))
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def _drop_views_before_accumulation(self, grad: torch.Tensor) -> torch.Tensor:
+        """A leaf's tensor hook, run before autograd accumulates into `.grad`: a backward that
+        follows the boundary backward with no forward between (through a retained graph) must
+        not add into the `.grad` views of the reduced gradient (it would count that gradient
+        twice), so the views go first."""
+        if self.views is not None and self.views.exposed:
+            self.views.clear()
+        return grad
 
     # ------------------------------------------------------------ forward side
     def _root_pre(self, module, args) -> None:
