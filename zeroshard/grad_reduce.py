@@ -275,5 +275,7 @@ class GradientReducer:
             target.copy_(result)  # the reduced gradient is (part of) the local buffer: adopted in `add`
         else:
             target.add_(result)
-        if self.landing is not None and flat.policy.scatter:
+        if self.landing is not None and flat.policy.shard_optimizer:
+            # Columns c0:c1 of this rank's row are elements c0:c1 of its master's range (the
+            # shard a reduce-scatter leaves, or stage 1's row of the all-reduced buffer).
             self.landing(flat, piece.c0, piece.c1)

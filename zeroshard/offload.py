@@ -97,7 +97,8 @@ class HostGradients:
     buffer, non-blocking from pinned memory on a GPU, so the copies run while the backward
     goes on. A later change to the same elements (a flat reduced twice in one backward)
     lands again; any other change resets `flat.host_landed`, as a reduction outside the
-    final backward does. At the step `take` returns the host buffer if every element
+    final backward does, and an in-place change (stage 1's `param.grad` views) shows in the
+    tensor's version counter. At the step `take` returns the host buffer if every element
     landed since, and otherwise `receive` moves the whole shard as before. The cast and the
     copy are elementwise, so both ways give bitwise the same host gradient.
     """
@@ -105,6 +106,10 @@ class HostGradients:
     def __init__(self, is_final: Callable[[], bool] | None = None) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
         self._copied: dict[int, torch.cuda.Event] = {}  # the last non-blocking copy per flat
+        # The reduced gradient's version counter after the last landing, per flat: an in-place
+        # change after it (a user editing stage 1's param.grad views, which share the counter)
+        # makes the landed copy stale.
+        self._versions: dict[int, int] = {}
         self._is_final = is_final
         self.moves = {"landed": 0, "whole": 0}  # flats moved each way at the steps so far (tests)
 
@@ -133,6 +138,7 @@ class HostGradients:
             event.record()
             self._copied[id(flat)] = event
         flat.host_landed += end - start
+        self._versions[id(flat)] = reduced._version
 
     def take(self, flat: FlatParamGroup) -> torch.Tensor | None:
         """`flat`'s host gradient if all of it landed since it last changed, else None."""
@@ -140,6 +146,8 @@ class HostGradients:
         landed, flat.host_landed = flat.host_landed, 0
         if buf is None or flat.reduced_grad is None or landed < buf.numel() or buf.dtype != flat.master.dtype:
             return None
+        if self._versions.get(id(flat)) != flat.reduced_grad._version:
+            return None  # changed in place after it landed: move it whole
         event = self._copied.pop(id(flat), None)
         if event is not None:
             event.synchronize()  # the CPU reads it right away
