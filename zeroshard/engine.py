@@ -38,6 +38,7 @@ from .param_schedule import ParamSchedule
 from .precision import PrecisionPlan, assign_param_groups
 from .stages import stage_policy
 from .step import OptimizerStep, StepResult
+from .streams import streams_for
 from .unit import Unit
 from .units import plan_units
 from .utils import groups
@@ -190,6 +191,11 @@ class Engine(EngineAPI):
         )
         if self._step.host_grads is not None:  # offload: each reduced bucket goes to the host at once
             reducer.landing = self._step.host_grads.land
+        # CUDA: all-gathers and reductions on their own streams (zeroshard/streams.py's note).
+        streams = streams_for(self.device)
+        reducer.streams = streams
+        for flat in self.flats:
+            flat.streams = streams
         self._grads = GradientPath(
             self.module, self.units, self.policy, reducer,
             # A backward of a loss from `engine.scale` is scaled already (engine_api.py).

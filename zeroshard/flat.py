@@ -41,6 +41,7 @@ from .offload import host_copy
 from .precision import RolePlan
 from .ranges import overlap
 from .stages import StagePolicy
+from .streams import COMPUTE, GATHER, NULL_STREAMS, StreamSet
 
 
 class ShardState(Enum):
@@ -50,6 +51,10 @@ class ShardState(Enum):
 
 class FlatParamGroup:
     """One flat buffer: a unit's parameters of one precision role and optimizer group."""
+
+    # Stage 3's gathers run on a side stream on CUDA (the engine sets real streams there);
+    # no-ops elsewhere. See [Note: streams and events] in zeroshard/streams.py.
+    streams: StreamSet = NULL_STREAMS
 
     def __init__(
         self,
@@ -202,6 +207,8 @@ class FlatParamGroup:
             self.finish_gather()  # never free memory a collective is still writing
         if self.state is ShardState.SHARDED:
             return
+        # Compute waited on the gather's event (finish_gather): the release is in compute order.
+        self.streams.released(self.unit_name)
         self.full.untyped_storage().resize_(0)
         self._detach_views()
         self.state = ShardState.SHARDED
@@ -216,17 +223,27 @@ class FlatParamGroup:
         if self.state is ShardState.UNSHARDED or self._pending_gather is not None:
             return
         assert self.param_shard is not None
+        # Allocated on the compute stream; the gather stream writes it only after compute's
+        # queued work so far (the allocation, the step's writes of param_shard).
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        self._pending_gather = all_gather_shards(
-            [GatherPiece(self.param_shard, self.full)], group=self.spec.shard, tag=tag,
-            wire_dtype=None if exact else self.role.gather_dtype,
-        )
+        streams = self.streams
+        ready = streams.record(COMPUTE, f"gather-ready:{self.unit_name}")
+        with streams.on(GATHER):
+            streams.wait(GATHER, ready)
+            self._pending_gather = all_gather_shards(
+                [GatherPiece(self.param_shard, self.full)], group=self.spec.shard, tag=tag,
+                wire_dtype=None if exact else self.role.gather_dtype,
+            )
 
     def finish_gather(self) -> None:
         if self._pending_gather is None:
             return
         pending, self._pending_gather = self._pending_gather, None
-        pending.wait()
+        streams = self.streams
+        with streams.on(GATHER):
+            pending.wait()  # the gather stream joins the collective (and copies out a bucket)
+            done = streams.record(GATHER, f"gather-done:{self.unit_name}")
+        streams.wait(COMPUTE, done)  # before any read of the gathered parameters or a free
         self._attach_views()
         self.state = ShardState.UNSHARDED
 

@@ -63,6 +63,7 @@ import torch
 from . import comm, faults
 from .flat import FlatParamGroup
 from .layout import ShardingSpec
+from .streams import COMPUTE, NULL_STREAMS, REDUCE, StreamSet
 
 GLOO_BUCKET_NUMEL = 500_000_000  # DeepSpeed's reduce_bucket_size default
 
@@ -94,6 +95,7 @@ class _Bucket:
     work: object = None  # the collective's handle once issued
     result: torch.Tensor | None = None  # what the collective writes: (rows or 1, used)
     spec: ShardingSpec | None = None  # the groups the bucket is reduced over
+    label: str = ""  # names the bucket in the streams' events
 
     @property
     def capacity(self) -> int:
@@ -134,6 +136,10 @@ class GradientReducer:
         # Offload (zeroshard/offload.py): told of each piece of a reduced shard once it is
         # written, so the shard moves to the host bucket by bucket instead of at the step.
         self.landing: Callable[[FlatParamGroup, int, int], None] | None = None
+        # The collectives run on a reduce stream on CUDA (the engine sets real streams
+        # there); no-ops elsewhere. See [Note: streams and events] in zeroshard/streams.py.
+        self.streams: StreamSet = NULL_STREAMS
+        self._issued_count = 0  # names buckets in the streams' events
 
     # ----------------------------------------------------------------- layout
     @staticmethod
@@ -233,13 +239,22 @@ class GradientReducer:
         data = bucket.staging[:, : bucket.used]
         if bucket.used < bucket.capacity:
             data = data.contiguous()  # rank-major rows for the reduce-scatter
-        if scatter:
-            out = torch.empty(bucket.used, dtype=data.dtype, device=data.device)
-            bucket.work = comm.reduce_scatter(out, data.view(-1), group=spec.shard, tag="grad", async_op=True)
-            bucket.result = out.view(1, -1)  # this rank's row
-        else:
-            bucket.work = comm.all_reduce(data, group=spec.shard, tag="grad", async_op=True)
-            bucket.result = data  # every row
+        # Every buffer the collective touches is allocated on the compute stream, the reduce
+        # stream starts once the staged gradient (its producer) is written, and the buffers
+        # live until compute waits on the reduction (`_complete_issued`).
+        out = torch.empty(bucket.used, dtype=data.dtype, device=data.device) if scatter else None
+        self._issued_count += 1
+        bucket.label = f"bucket-{self._issued_count}"
+        streams = self.streams
+        produced = streams.record(COMPUTE, f"produced:{bucket.label}")
+        with streams.on(REDUCE):
+            streams.wait(REDUCE, produced)
+            if scatter:
+                bucket.work = comm.reduce_scatter(out, data.view(-1), group=spec.shard, tag="grad", async_op=True)
+                bucket.result = out.view(1, -1)  # this rank's row
+            else:
+                bucket.work = comm.all_reduce(data, group=spec.shard, tag="grad", async_op=True)
+                bucket.result = data  # every row
         self._issued.append(bucket)
 
     def finish(self) -> None:
@@ -251,12 +266,17 @@ class GradientReducer:
 
     def _complete_issued(self) -> None:
         issued, self._issued = self._issued, []
+        streams = self.streams
         for bucket in issued:
-            if bucket.work is not None:
-                bucket.work.wait()
-            if bucket.spec.replication > 1:
-                # Hybrid sharding: the shard group's sum, summed again over the replicas.
-                comm.all_reduce(bucket.result, group=bucket.spec.replicate, tag="grad")
+            with streams.on(REDUCE):
+                if bucket.work is not None:
+                    bucket.work.wait()
+                if bucket.spec.replication > 1:
+                    # Hybrid sharding: the shard group's sum, summed again over the replicas.
+                    comm.all_reduce(bucket.result, group=bucket.spec.replicate, tag="grad")
+                reduced = streams.record(REDUCE, f"reduced:{bucket.label}")
+            # The results are written (and then stepped on) on the compute stream.
+            streams.wait(COMPUTE, reduced)
             for piece in bucket.pieces:
                 self._complete(piece, bucket.result[:, piece.offset : piece.offset + piece.c1 - piece.c0])
 
