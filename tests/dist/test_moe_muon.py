@@ -27,6 +27,7 @@ import math
 import pytest
 import torch
 
+from tests.dist.ns_reference import reference_newton_schulz
 from tests.dist.scenarios.moe_muon import (
     ADAM_LR,
     BETAS,
@@ -54,17 +55,6 @@ CASES = [MuonCase(ep, stage, user_groups=stage % 2 == 1) for ep in (1, 2) for st
 def reference_is_muon(name: str, p: torch.Tensor) -> bool:
     components = set(name.split("."))
     return p.dim() >= 2 and "embed" not in name and not components & {"gate", "router"}
-
-
-def reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    a, b, c = 3.4445, -4.7750, 2.0315
-    tall = g.shape[0] > g.shape[1]
-    x = g.T if tall else g
-    x = x / (torch.linalg.norm(x) + 1e-7)
-    for _ in range(steps):
-        s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
-    return x.T if tall else x
 
 
 def reference_update(u: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.dist.ns_reference import reference_newton_schulz
 import zeroshard
 from zeroshard import _compat
 from zeroshard.optim.muon import ShardedMuon, matrix_layout, split_param_groups
@@ -90,17 +91,6 @@ def muon_params_cfg(ns_method: str, nesterov: bool = True) -> dict:
 
 
 # ------------------------------------------------------------------ reference (float64)
-def reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    a, b, c = 3.4445, -4.7750, 2.0315
-    tall = g.shape[0] > g.shape[1]
-    x = g.T if tall else g
-    x = x / (torch.linalg.norm(x) + 1e-7)
-    for _ in range(steps):
-        s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
-    return x.T if tall else x
-
-
 def reference_orthogonalized_update(u: torch.Tensor) -> torch.Tensor:
     """NS per matrix (per expert for 3-D, (out, rest) for 4-D), times sqrt(max(1, rows/cols))."""
     if u.dim() == 3:

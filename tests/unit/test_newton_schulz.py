@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.dist.ns_reference import reference_newton_schulz
 from zeroshard.optim.newton_schulz import (
     gram_cost,
     gram_is_cheaper,
@@ -103,18 +104,6 @@ def test_batch_is_per_matrix(method):
     torch.testing.assert_close(orthogonalize(experts.view(2, 2, 8, 24), method=method).view(4, 8, 24), batched)
 
 
-def _reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """The quintic of [Note: Newton-Schulz] on one float64 matrix, written from the formula."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    tall = g.shape[0] > g.shape[1]
-    x = g.T if tall else g
-    x = x / (torch.linalg.norm(x) + 1e-7)
-    for _ in range(steps):
-        s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
-    return x.T if tall else x
-
-
 @pytest.mark.parametrize("method", ["gram", "standard"])
 @pytest.mark.parametrize("rows,cols", [(6, 24), (24, 6), (8, 8), (12, 20)])
 def test_expert_stack_equals_each_expert_alone_in_float64(rows, cols, method):
@@ -134,7 +123,7 @@ def test_expert_stack_equals_each_expert_alone_in_float64(rows, cols, method):
     batched = orthogonalize(stack.float(), method=method)
     assert batched.shape == stack.shape and batched.dtype == torch.float32
     for e in range(len(scales)):
-        expected = _reference_newton_schulz(stack[e])
+        expected = reference_newton_schulz(stack[e])
         torch.testing.assert_close(batched[e].double(), expected, rtol=0, atol=2e-5,
                                    msg=lambda m, e=e: f"expert {e}: {m}")
 
