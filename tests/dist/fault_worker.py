@@ -41,6 +41,10 @@ def main() -> int:
             print("FAULT", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP if mode == "sigstop" else signal.SIGKILL)
             time.sleep(3600)  # not reached after SIGKILL; a stopped process is killed by the test
+        # CLOCK_MONOTONIC is one clock for every process of the machine: the test measures
+        # the wait from when this rank reached the failing collectives, not from the fault,
+        # so a loaded machine's slow forward does not count against the timeout.
+        print(f"BACKWARD_AT {time.monotonic():.6f}", file=sys.stderr, flush=True)
         try:
             engine.backward(loss)
             engine.step()
