@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from .config_sections import JsonInt, _equals, _Section, _Unsupported
+from .config_base import JsonInt, _equals, _Section, _Unsupported
 
 __all__ = ["ExpertParallelConfig"]
 
