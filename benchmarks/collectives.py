@@ -7,7 +7,7 @@
    all-reduce was faster, so `zeroshard.comm.reduce_scatter` runs as an all-reduce there.
 2. One collective over a whole buffer against the same buffer cut into `--pieces` collectives
    (issued asynchronously, then waited for): the per-collective fixed cost that made
-   zeroshard fill its gradient buckets across units (zeroshard/grad_reduce.py).
+   zeroshard fill its gradient buckets across units (zeroshard/grads/reduce.py).
 
 Each cell is the median of --repeats timed calls after --warmup, each call starting after a
 barrier and counted as its slowest rank's time. Prints a table and writes JSON
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zeroshard import _compat
+from zeroshard.comm import compat as _compat
 
 DEFAULT_SIZES = "50000,200000,800000,1240000,2400000,10000000"
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce_pieces")

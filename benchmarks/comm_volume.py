@@ -25,7 +25,7 @@ and its backward (P b_reduce + 2 P b_gather). With one dtype throughout that is 
 (stages 0, 2) and 3 P b (stages 1, 3). Measured exceeds theory only by the padding of
 each flat buffer to a multiple of W. Stage 3 runs with stage3_param_persistence_threshold 0
 (otherwise this small model's blocks would stay resident and it would move what stage 2 does).
-A benchmark, not a test: nothing asserts (tests/dist/test_comm_dtypes.py does, exactly).
+A benchmark, not a test: nothing asserts (tests/dist/comm/test_comm_dtypes.py does, exactly).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The forward cost of stage 3's direct-use mode (zeroshard/direct_use.py) on the demo GPT.
+"""The forward cost of stage 3's direct-use mode (zeroshard/sharding/direct_use.py) on the demo GPT.
 
     python benchmarks/direct_use_mode.py                          # CPU, --model small, fp32
     python benchmarks/direct_use_mode.py --model tiny --mode bf16 --steps 40

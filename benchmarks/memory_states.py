@@ -6,7 +6,7 @@ For each stage 0-3 and world size it trains one step of a demo GPT under torchru
 then counts, on every rank, the bytes of every tensor the engine holds for the model states:
 parameters (full buffers while materialised, stage-3 shards), gradients (local and reduced
 buffers), master weights (when they are not the parameters themselves) and optimizer state.
-It prints those next to the estimator's numbers (zeroshard/memory.py, what `explain` shows)
+It prints those next to the estimator's numbers (zeroshard/tools/memory.py, what `explain` shows)
 and writes benchmarks/results/memory_states.json.
 """
 
@@ -53,9 +53,9 @@ def worker(args) -> None:
 
     import zeroshard
     from zeroshard.demo.model import build_gpt
-    from zeroshard.memory import estimate_for_config
-    from zeroshard.precision import assign_param_groups
-    from zeroshard.units import plan_units
+    from zeroshard.precision.plan import assign_param_groups
+    from zeroshard.sharding.units import plan_units
+    from zeroshard.tools.memory import estimate_for_config
 
     zeroshard.init_distributed()
     torch.manual_seed(0)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # zeroshard from the checkout
 
-from zeroshard.optim import newton_schulz as ns  # noqa: E402
+from zeroshard.optim.muon import newton_schulz as ns  # noqa: E402
 
 
 def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:

@@ -13,7 +13,7 @@ its CPU optimizer kernel, not a device-memory saving; on a GPU the saving would 
 against `explain` (no GPU was available for these figures).
 
 Part 2 times `optimizer.step()` of AdamW over `--params` fp32 elements (one flat master, as a
-rank holds it) with `fused=True` (what offload uses, zeroshard.ops.adam.DeepSpeedCPUAdam) and
+rank holds it) with `fused=True` (what offload uses, zeroshard.optim.cpu_adam.DeepSpeedCPUAdam) and
 `foreach=True`, in this process with the machine's threads.
 
 Prints both tables and writes benchmarks/results/offload.json.

@@ -240,7 +240,7 @@ class ZeroshardRunner:
 
     def extra(self) -> dict[str, Any]:
         """zeroshard's own memory estimate and communication theory, to compare with the run."""
-        from zeroshard.memory import estimate_for_config
+        from zeroshard.tools.memory import estimate_for_config
 
         engine = self.engine
         counts: dict[str, int] = {}

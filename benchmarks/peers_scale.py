@@ -2,7 +2,7 @@
 
     python benchmarks/peers_scale.py [--config CONFIG.json] [--markdown]
 
-Memory comes from zeroshard's own estimator (`zeroshard.memory.estimate_memory`), fed with the
+Memory comes from zeroshard's own estimator (`zeroshard.tools.memory.estimate_memory`), fed with the
 precision plan the config resolves to and the real units of GPT-shaped models built on the meta
 device (no memory is allocated). Communication uses the same plan's wire dtypes with the stage
 table of DESIGN section 3 (the estimator has no communication function yet):
@@ -32,11 +32,11 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 
-from zeroshard.config import load_config  # noqa: E402
+from zeroshard.config.schema import load_config  # noqa: E402
 from zeroshard.demo.model import build_gpt  # noqa: E402
-from zeroshard.memory import estimate_for_config  # noqa: E402
-from zeroshard.precision import assign_param_groups, resolve_precision_plan  # noqa: E402
-from zeroshard.units import plan_units  # noqa: E402
+from zeroshard.precision.plan import assign_param_groups, resolve_precision_plan  # noqa: E402
+from zeroshard.sharding.units import plan_units  # noqa: E402
+from zeroshard.tools.memory import estimate_for_config  # noqa: E402
 
 WORLD_SIZES = (8, 64, 256, 1024)
 # GPT-shaped models (12 d^2 per block, byte vocabulary): layers and width of common sizes.
@@ -94,7 +94,7 @@ def comm_bytes_per_step(plan, stage: int, counts: dict[str, int], world_size: in
             continue
         gather = numel * (_size(role.param_dtype) if stage < 3 else 2 * _size(role.gather_dtype))
         buffer += reduce + gather
-        # Stage 1 all-reduces (zeroshard/stages.py): twice a reduce-scatter's bytes sent.
+        # Stage 1 all-reduces (zeroshard/sharding/stages.py): twice a reduce-scatter's bytes sent.
         sent += share * ((2 if stage == 1 else 1) * reduce + gather)
     return buffer, sent
 
@@ -123,7 +123,7 @@ def project(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """Two tables: memory per rank by world size, and communication per step."""
-    out = ["Memory per rank, GiB: model states + bounded buffers (zeroshard.memory.estimate_for_config)\n",
+    out = ["Memory per rank, GiB: model states + bounded buffers (zeroshard.tools.memory.estimate_for_config)\n",
            "| model | params | stage | " + " | ".join(f"W={w}" for w in WORLD_SIZES) + " |",
            "|---|--:|--:|" + "--:|" * len(WORLD_SIZES)]
     for model in MODEL_SHAPES:

@@ -32,7 +32,7 @@ def _import_engine(engine: str) -> None:
     if engine == "deepspeed":
         import deepspeed  # noqa: F401
     elif engine == "zeroshard":
-        import zeroshard.engine  # noqa: F401
+        import zeroshard.engine.engine  # noqa: F401
 
 
 def run(args: Any) -> dict[str, Any] | None:

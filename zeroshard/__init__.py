@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import comm
-from .arguments import add_config_arguments
-from .config_error import DeepSpeedConfigError
-from .distributed import init_distributed
+from zeroshard import comm
+from zeroshard.comm import collectives
+from zeroshard.config.error import DeepSpeedConfigError
+from zeroshard.launch.arguments import add_config_arguments
+from zeroshard.launch.distributed import init_distributed
 
 __version__ = "0.1.0"
 
@@ -48,11 +49,11 @@ def initialize(
         (engine, optimizer, training_dataloader, lr_scheduler); the dataloader is None
         without `training_data`, the scheduler None when neither given nor configured.
     """
-    from .config import requested_collective_timeout_s
-    from .config_error import DeepSpeedConfigError
-    from .engine import Engine
-    from .layout import ParallelLayout
-    from .resolve import resolve_config
+    from zeroshard.config.error import DeepSpeedConfigError
+    from zeroshard.config.resolve import resolve_config
+    from zeroshard.config.schema import requested_collective_timeout_s
+    from zeroshard.engine.engine import Engine
+    from zeroshard.sharding.layout import ParallelLayout
 
     if model is None:
         raise ValueError("initialize: model= is required.")
@@ -74,7 +75,7 @@ def initialize(
         # timeout is read from the raw config here and validated with the rest below.
         init_distributed(timeout=requested_collective_timeout_s(raw))
     mpu_sp = None if mpu is None else mpu.get_sequence_parallel_world_size()
-    cfg = resolve_config(raw, world_size=comm.world_size(), sequence_parallel_size=mpu_sp)
+    cfg = resolve_config(raw, world_size=collectives.world_size(), sequence_parallel_size=mpu_sp)
     sequence_parallel = _sequence_parallel_groups(mpu, cfg.sequence_parallel_size)
     layout = ParallelLayout.build(cfg.zeroshard.shard_group_size, cfg.zeroshard.collective_timeout_s)
     if sequence_parallel is not None:
@@ -86,11 +87,11 @@ def initialize(
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[comm.Group, comm.Group] | None:
+def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[collectives.Group, collectives.Group] | None:
     """(sequence group, data group): the mpu's, or for the config's `sequence_parallel_size`
     parallel_state_sp's (built here if needed); None without sequence parallelism."""
-    from .runtime.sequence_parallel import parallel_state_sp
-    from .utils.sequence_groups import set_sequence_parallel_mpu
+    from zeroshard.sequence import parallel_state_sp
+    from zeroshard.sharding.sequence_groups import set_sequence_parallel_mpu
 
     if mpu is None and size > 1:
         if not parallel_state_sp.is_initialized():
@@ -104,9 +105,9 @@ def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[comm.Group, comm.Gro
     set_sequence_parallel_mpu(mpu)
     if mpu is None or size == 1:
         return None
-    sequence = comm.as_group(mpu.get_sequence_parallel_group())
+    sequence = collectives.as_group(mpu.get_sequence_parallel_group())
     if hasattr(mpu, "get_data_parallel_group"):
-        data = comm.as_group(mpu.get_data_parallel_group())
+        data = collectives.as_group(mpu.get_data_parallel_group())
     else:  # the strided ranks at this rank's position in every sequence group
         data = parallel_state_sp.sequence_parallel_layout().data
     return sequence, data
@@ -114,7 +115,7 @@ def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[comm.Group, comm.Gro
 
 def __getattr__(name: str):
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"):
-        from . import full_tensors
+        from zeroshard.sharding import full_tensors
 
         return getattr(full_tensors, name)
     if name == "zero":

@@ -1,5 +1,5 @@
-"""The `zeroshard` command: explain (zeroshard.explain), demo, to-fp32 (zeroshard.checkpoint),
-launch (zeroshard.launch).
+"""The `zeroshard` command: explain (zeroshard.tools.explain), demo, to-fp32 (zeroshard.checkpoint),
+launch (zeroshard.launch.torchrun).
 
 `zeroshard explain CONFIG` prints what a config resolves to: the precision of every tensor role
 per parameter group, the defaults it applied, the keys accepted with no effect, and the per-rank
@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from zeroshard.explain import ConfigError, UsageError, explain_data, preset_names, print_tables
+from zeroshard.tools.explain import ConfigError, UsageError, explain_data, preset_names, print_tables
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad config or bad arguments, as argparse does
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         # Everything after `demo` belongs to the demo's own parser (its --help included).
         return _run_demo(argv[1:])
     if argv and argv[0] == "launch":
-        from zeroshard.launch import main as launch_main
+        from zeroshard.launch.torchrun import main as launch_main
 
         return launch_main(argv[1:])
     args = build_parser().parse_args(argv)

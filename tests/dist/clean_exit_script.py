@@ -1,4 +1,4 @@
-"""A short training run that ends like a user's script: run by tests/dist/test_clean_exit.py.
+"""A short training run that ends like a user's script: run by tests/dist/launch/test_clean_exit.py.
 
     torchrun --standalone --nproc_per_node 2 tests/dist/clean_exit_script.py CHECKPOINT_DIR
 

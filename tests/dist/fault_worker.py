@@ -1,4 +1,4 @@
-"""One rank of a 2-rank run in which rank 1 fails in the middle of step 1 (tests/dist/test_fault_injection.py).
+"""One rank of a 2-rank run in which rank 1 fails in the middle of step 1 (tests/dist/comm/test_fault_injection.py).
 
     python tests/dist/fault_worker.py MODE TIMEOUT_S     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zeroshard  # noqa: E402
 from tests.dist.reference import build_model, global_batches, micro_batch  # noqa: E402
-from zeroshard.faults import CollectiveError  # noqa: E402
+from zeroshard.comm.faults import CollectiveError  # noqa: E402
 
 
 def main() -> int:

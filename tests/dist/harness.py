@@ -229,7 +229,7 @@ def _worker_main(
 
         # Imported after the group exists, that module would hold it in its default arguments
         # and the group's gloo threads would outlive destroy_process_group into interpreter
-        # shutdown (an abort at exit): [Note: process-group lifetime] in zeroshard/distributed.py.
+        # shutdown (an abort at exit): [Note: process-group lifetime] in zeroshard/launch/distributed.py.
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",

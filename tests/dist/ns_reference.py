@@ -6,7 +6,7 @@ import torch
 
 
 def reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """The quintic of [Note: Newton-Schulz] (zeroshard/optim/newton_schulz.py) on one matrix,
+    """The quintic of [Note: Newton-Schulz] (zeroshard/optim/muon/newton_schulz.py) on one matrix,
     normalised by its own Frobenius norm, wide orientation (a tall matrix is transposed)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     tall = g.shape[0] > g.shape[1]

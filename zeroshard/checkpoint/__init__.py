@@ -20,10 +20,10 @@ docs/checkpoints.md.
 
 from __future__ import annotations
 
-from .export import consolidate_fp32, save_16bit_model, write_fp32
-from .format import CheckpointError
-from .load import load_checkpoint
-from .save import save_checkpoint
+from zeroshard.checkpoint.export import consolidate_fp32, save_16bit_model, write_fp32
+from zeroshard.checkpoint.format import CheckpointError
+from zeroshard.checkpoint.load import load_checkpoint
+from zeroshard.checkpoint.save import save_checkpoint
 
 __all__ = [
     "CheckpointError",

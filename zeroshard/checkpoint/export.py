@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .. import comm
-from ..module_inject.auto_ep_export import hf_layouts, to_hf_state_dict
-from ..utils import groups
-from .files import write_via_private_dir
-from .format import CheckpointReader, resolve_checkpoint_dir
-from .save import module_names
-from .sync import agree
+from zeroshard.checkpoint.files import write_via_private_dir
+from zeroshard.checkpoint.format import CheckpointReader, resolve_checkpoint_dir
+from zeroshard.checkpoint.save import module_names
+from zeroshard.checkpoint.sync import agree
+from zeroshard.comm import collectives as comm
+from zeroshard.moe.autoep.export import hf_layouts, to_hf_state_dict
+from zeroshard.sharding import groups
 
 
 def consolidate_fp32(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -86,7 +86,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
     Returns:
         The written file's path (on every rank).
     """
-    from ..moe.utils import has_moe_layers
+    from zeroshard.moe.utils import has_moe_layers
 
     moe_group_names = getattr(engine, "expert_group_names", []) if has_moe_layers(engine.module)[0] else []
     if any(name != "ep_size_1" for name in moe_group_names):

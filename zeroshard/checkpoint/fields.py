@@ -12,8 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .base import CheckpointError
-from .validate import is_int
+from zeroshard.checkpoint.base import CheckpointError
+from zeroshard.checkpoint.validate import is_int
 
 COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
 

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..ranges import overlap
-from .base import CheckpointError, rank_file_name
-from .validate import check_index_geometry, flat_lengths
+from zeroshard.checkpoint.base import CheckpointError, rank_file_name
+from zeroshard.checkpoint.validate import check_index_geometry, flat_lengths
+from zeroshard.sharding.ranges import overlap
 
 FORMAT_NAME = "zeroshard-checkpoint"
 FORMAT_VERSION = 1

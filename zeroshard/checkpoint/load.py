@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from ..publish import publish_masters
-from ..ranges import overlap
-from .fields import (
+from zeroshard.checkpoint.fields import (
     KERNEL_KEYS,
     check_param_groups,
     check_scaler_state,
@@ -35,7 +33,7 @@ from .fields import (
     parse_sampler,
     scalar_value,
 )
-from .format import (
+from zeroshard.checkpoint.format import (
     EXTRAS_FILE,
     INDEX_FILE,
     MASTER_KIND,
@@ -48,10 +46,12 @@ from .format import (
     state_kind,
     validate_tag,
 )
-from .names import flat_names, model_param_shapes, saved_offset
-from .rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
-from .save import module_names
-from .sync import agree, all_gather_object, describe, is_rank_zero
+from zeroshard.checkpoint.names import flat_names, model_param_shapes, saved_offset
+from zeroshard.checkpoint.rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
+from zeroshard.checkpoint.save import module_names
+from zeroshard.checkpoint.sync import agree, all_gather_object, describe, is_rank_zero
+from zeroshard.sharding.ranges import overlap
+from zeroshard.step.publish import publish_masters
 
 logger = logging.getLogger("zeroshard")
 
@@ -207,7 +207,7 @@ _OPTIMIZER_FAMILIES = {"StateDtypeAdamW": "AdamW"}
 
 def optimizer_class(optimizer: Any) -> str:
     """The class a checkpoint names for `optimizer`: DeepSpeedCPUAdam keeps Adam's or
-    AdamW's state, as its mode says (zeroshard/ops/adam.py)."""
+    AdamW's state, as its mode says (zeroshard/optim/cpu_adam.py)."""
     return getattr(optimizer, "checkpoint_class", type(optimizer).__name__)
 
 

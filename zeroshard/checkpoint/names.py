@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..moe.utils import all_global_expert_names, global_expert_names
+from zeroshard.moe.utils import all_global_expert_names, global_expert_names
 
 
 def flat_names(engine: Any) -> list[list[str]]:
@@ -28,7 +28,7 @@ def model_param_shapes(module: Any) -> dict[str, list[int]]:
     included (all experts of a layer share one shape)."""
     params = dict(module.named_parameters(remove_duplicate=False))
     local_experts = {name for name, p in params.items() if id(p) in global_expert_names(module)}
-    # ds_shape: a stage-3 parameter outside a gather is empty (zeroshard/flat.py)
+    # ds_shape: a stage-3 parameter outside a gather is empty (zeroshard/sharding/flat.py)
     shapes = {name: list(saved_shape(p)) for name, p in params.items() if name not in local_experts}
     for global_name, local_name in all_global_expert_names(module).items():
         shapes[global_name] = list(getattr(params[local_name], "ds_shape", params[local_name].shape))
@@ -58,12 +58,12 @@ def state_dict_keys(module: Any) -> list[str]:
 def saved_shape(p: Any) -> Any:
     """A parameter's shape in a checkpoint: an AutoEP stack's global [E, ...] shape (its
     `autoep_global_shape`), else the full shape (`ds_shape`: a stage-3 parameter outside a
-    gather is empty, zeroshard/flat.py)."""
+    gather is empty, zeroshard/sharding/flat.py)."""
     return getattr(p, "autoep_global_shape", None) or getattr(p, "ds_shape", p.shape)
 
 
 def saved_offset(p: Any) -> int:
     """Where a parameter's elements start in its saved tensor: an AutoEP stack of this rank's
-    experts is a contiguous block of the global stack (zeroshard/module_inject/auto_ep_layer.py);
+    experts is a contiguous block of the global stack (zeroshard/moe/autoep/layer.py);
     0 for everything else."""
     return getattr(p, "autoep_offset", 0)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .base import CheckpointError
+from zeroshard.checkpoint.base import CheckpointError
 
 RNG_PREFIX = "rng/"
 _TORCH_CPU = RNG_PREFIX + "torch_cpu"

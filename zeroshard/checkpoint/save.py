@@ -23,10 +23,15 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ..module_inject.auto_ep_export import hf_layouts
-from ..ranges import overlap
-from .files import finish_file, fsync_dir, open_exclusive, remove_entry, write_bytes_exclusive, write_text_atomic
-from .format import (
+from zeroshard.checkpoint.files import (
+    finish_file,
+    fsync_dir,
+    open_exclusive,
+    remove_entry,
+    write_bytes_exclusive,
+    write_text_atomic,
+)
+from zeroshard.checkpoint.format import (
     EXTRAS_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -47,9 +52,11 @@ from .format import (
     tmp_tag_dir,
     validate_tag,
 )
-from .names import flat_names, saved_offset, state_dict_keys
-from .rng import capture_rng_state
-from .sync import agree, all_gather_object, describe
+from zeroshard.checkpoint.names import flat_names, saved_offset, state_dict_keys
+from zeroshard.checkpoint.rng import capture_rng_state
+from zeroshard.checkpoint.sync import agree, all_gather_object, describe
+from zeroshard.moe.autoep.export import hf_layouts
+from zeroshard.sharding.ranges import overlap
 
 logger = logging.getLogger("zeroshard")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import comm
-from .format import CheckpointError
+from zeroshard.checkpoint.format import CheckpointError
+from zeroshard.comm import collectives as comm
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .base import CheckpointError, rank_file_name
+from zeroshard.checkpoint.base import CheckpointError, rank_file_name
 
 
 def is_int(value: Any) -> bool:

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from zeroshard import comm
-from zeroshard.config import load_config
+from zeroshard.comm import collectives as comm
+from zeroshard.config.schema import load_config
 from zeroshard.demo.data import DEFAULT_MAX_BYTES, ByteWindows, build_datasets, stdlib_root
 from zeroshard.demo.model import PRESETS, build_gpt
 from zeroshard.demo.plot import read_metrics, write_loss_plot
@@ -160,7 +160,7 @@ def generate_sample(engine, num_bytes: int, seed: int) -> str:
 def precision_plan_text(config_path: Path, world_size: int, model: str, plan) -> str:
     """What `zeroshard explain CONFIG --model MODEL --world-size W` prints: the precision plan
     per parameter group and the memory estimate. Falls back to the engine's plan as text."""
-    from zeroshard.explain import ConfigError, UsageError, explain_text
+    from zeroshard.tools.explain import ConfigError, UsageError, explain_text
 
     try:
         text = explain_text(str(config_path), world_size, model)

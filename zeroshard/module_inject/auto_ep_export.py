@@ -1,66 +1,11 @@
-"""An AutoEP model's weights under the original Hugging Face names and layout, so `zeroshard
-to-fp32` and `save_16bit_model` give a state dict the unswapped model strict-loads.
+"""DeepSpeed's `deepspeed.module_inject.auto_ep_export` path: re-exports of `zeroshard.moe.autoep.export`."""
 
-    <layer>.router.gate.weight               -> <layer>.gate.weight
-    <layer>.router.e_score_correction_bias   -> <layer>.gate.e_score_correction_bias
-    <layer>.experts.w1 [E, ffn, H] + w3      -> <layer>.experts.gate_up_proj [E, 2*ffn, H] (fused layout)
-    <layer>.experts.w2 [E, H, ffn]           -> <layer>.experts.down_proj
-    shared experts                           keep their names
+from zeroshard.moe.autoep.export import (
+    hf_layouts,
+    to_hf_state_dict,
+)
 
-The layout of each layer (its preset's names) is recorded in the checkpoint index ("autoep"),
-so a checkpoint converts without the model.
-"""
-
-from __future__ import annotations
-
-from typing import Any
-
-import torch
-from torch import nn
-
-__all__ = ["hf_layouts", "to_hf_state_dict"]
-
-
-def hf_layouts(module: nn.Module) -> dict[str, dict[str, Any]]:
-    """Every AutoEP layer's name -> the Hugging Face names its parts had."""
-    from .auto_ep import autoep_layers
-
-    out = {}
-    for name, layer in autoep_layers(module):
-        preset = layer.settings.preset
-        out[name] = {
-            "router": preset.router_pattern, "experts": preset.experts_pattern, "w1": preset.expert_w1,
-            "w2": preset.expert_w2, "w3": preset.expert_w3, "bias": preset.selection_bias,
-        }
-    return out
-
-
-def to_hf_state_dict(state: dict[str, torch.Tensor], layouts: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """`state` (the swapped model's names, global expert stacks) with every AutoEP layer's
-    entries renamed and re-laid-out as the Hugging Face block had them; order kept."""
-    if not layouts:
-        return state
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        prefix = next((p for p in layouts if key.startswith(p + ".")), None)
-        if prefix is None:
-            out[key] = value
-            continue
-        layout, rest = layouts[prefix], key[len(prefix) + 1:]
-        router, experts = f"{prefix}.{layout['router']}", f"{prefix}.{layout['experts']}"
-        if rest == "router.gate.weight":
-            out[f"{router}.weight"] = value
-        elif rest == "router.e_score_correction_bias":
-            out[f"{router}.{layout['bias'] or 'e_score_correction_bias'}"] = value
-        elif rest == "experts.w1":
-            w3 = state[f"{prefix}.experts.w3"]
-            if layout["w3"] is None:
-                out[f"{experts}.{layout['w1']}"] = torch.cat([value, w3], dim=1)
-            else:
-                out[f"{experts}.{layout['w1']}"] = value
-                out[f"{experts}.{layout['w3']}"] = w3
-        elif rest == "experts.w2":
-            out[f"{experts}.{layout['w2']}"] = value
-        elif rest != "experts.w3":
-            out[key] = value  # shared experts and their gate: unchanged names
-    return out
+__all__ = [
+    "hf_layouts",
+    "to_hf_state_dict",
+]

@@ -6,9 +6,9 @@ Structure (the router / experts / dispatcher split of torchtitan):
     dispatcher.py   capacity slots, all-to-all over the expert-parallel group, MOELayer
     layer.py        MoE, DeepSpeed's user-facing layer
     utils.py        expert-parameter helpers and optimizer group splitting
-The groups live in zeroshard/utils/groups.py.
+The groups live in zeroshard/sharding/groups.py.
 """
 
-from .layer import MoE
+from zeroshard.moe.layer import MoE
 
 __all__ = ["MoE"]

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import comm
-from ..comm import Group
+from zeroshard.comm import collectives as comm
+from zeroshard.comm.collectives import Group
 
 
 class _AllToAll(torch.autograd.Function):

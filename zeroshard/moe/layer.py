@@ -8,7 +8,7 @@ and state-dict layout, so a DeepSpeed model ports by changing the import.
 
 `<moe>.deepspeed_moe.gate.wg.weight` is the router (zeroshard/moe/sharded_moe.py),
 `<moe>.deepspeed_moe.experts.deepspeed_experts.<j>` local expert j, which is global expert
-`ep_rank * num_local_experts + j` with ep_rank = rank % ep_size (zeroshard/utils/groups.py).
+`ep_rank * num_local_experts + j` with ep_rank = rank % ep_size (zeroshard/sharding/groups.py).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
-from ..utils import groups
-from .dispatcher import MOELayer
-from .experts import Experts
-from .sharded_moe import NOISY_GATE_POLICIES, TopKGate
+from zeroshard.comm import collectives as comm
+from zeroshard.moe.dispatcher import MOELayer
+from zeroshard.moe.experts import Experts
+from zeroshard.moe.sharded_moe import NOISY_GATE_POLICIES, TopKGate
+from zeroshard.sharding import groups
 
 
 class MoE(nn.Module):

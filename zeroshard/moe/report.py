@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from .utils import is_moe_param
+from zeroshard.moe.utils import is_moe_param
 
 
 def moe_report(model: nn.Module, world_size: int, group_of: dict[str, str]) -> tuple[dict[str, Any] | None, dict]:
@@ -18,7 +18,7 @@ def moe_report(model: nn.Module, world_size: int, group_of: dict[str, str]) -> t
     Raises:
         ValueError: an ep_size that does not divide `world_size`.
     """
-    from .layer import MoE
+    from zeroshard.moe.layer import MoE
 
     # DeepSpeed's MoE layers and AutoEP's (zeroshard/module_inject) carry the same attributes.
     layers = [

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import comm
-from ..comm import Group
+from zeroshard.comm import collectives as comm
+from zeroshard.comm.collectives import Group
 
 __all__ = [
     "top1gating",
@@ -360,7 +360,7 @@ def __getattr__(name: str):
     # DeepSpeed's MOELayer lives at this path; here it is the dispatcher's (imported lazily,
     # the dispatcher does not need the router).
     if name == "MOELayer":
-        from .dispatcher import MOELayer
+        from zeroshard.moe.dispatcher import MOELayer
 
         return MOELayer
     raise AttributeError(name)

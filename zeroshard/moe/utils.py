@@ -22,7 +22,7 @@ __all__ = [
 
 def has_moe_layers(m: nn.Module) -> tuple[bool, int]:
     """(whether `m` contains an MoE layer, the first one's num_experts)."""
-    from .layer import MoE
+    from zeroshard.moe.layer import MoE
 
     for module in m.modules():
         if isinstance(module, MoE):
@@ -124,7 +124,7 @@ def attach_expert_groups(model: nn.Module) -> list[str]:
     """Give every MoE layer of `model` its expert-parallel groups (built collectively, in
     module order, so every rank builds the same groups in the same order); returns the expert
     group names in use."""
-    from .layer import MoE
+    from zeroshard.moe.layer import MoE
 
     names: list[str] = []
     for module in model.modules():
@@ -143,7 +143,7 @@ def global_expert_names(model: nn.Module) -> dict[int, str]:
     """id(expert parameter) -> its name with the local expert index replaced by the global
     one (`...deepspeed_experts.<ep_rank * num_local_experts + j>...`): the name that means
     the same tensor on every rank and for every ep_size (checkpoints key experts by it)."""
-    from .layer import MoE
+    from zeroshard.moe.layer import MoE
 
     names: dict[int, str] = {}
     for prefix, module in model.named_modules():
@@ -160,7 +160,7 @@ def global_expert_names(model: nn.Module) -> dict[int, str]:
 def all_global_expert_names(model: nn.Module) -> dict[str, str]:
     """Every global expert parameter name of `model` over all expert-parallel ranks -> the
     name of this rank's local parameter of the same shape (local expert 0's)."""
-    from .layer import MoE
+    from zeroshard.moe.layer import MoE
 
     names: dict[str, str] = {}
     for prefix, module in model.named_modules():

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..config_error import ConfigError
-from ..optimizer_params import NO_EFFECT, render_problems
-from .state_dtype_adamw import StateDtypeAdamW
+from zeroshard.config.error import ConfigError
+from zeroshard.config.optimizer_params import NO_EFFECT, render_problems
+from zeroshard.optim.state_dtype_adamw import StateDtypeAdamW
 
 SUPPORTED = ("Adam", "AdamW", "SGD")  # built here; Muon by optim/muon.py
 

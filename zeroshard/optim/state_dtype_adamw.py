@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .foreach_adamw import adamw_foreach
+from zeroshard.optim.foreach_adamw import adamw_foreach
 
 
 class StateDtypeAdamW(torch.optim.Optimizer):

@@ -1,5 +1,5 @@
 """`deepspeed.runtime.config`'s names that scripts import: `DeepSpeedConfigError`."""
 
-from ..config_error import DeepSpeedConfigError
+from zeroshard.config.error import DeepSpeedConfigError
 
 __all__ = ["DeepSpeedConfigError"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from .autosp_vit import UlyssesSPViTAttention
+from zeroshard.sequence.autosp_vit import UlyssesSPViTAttention
 
 __all__ = ["auto_wrap_model_for_sp", "VISION_ATTENTION_CLASSES"]
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import comm
-from .gather import _slice_lengths, gather_sequence
-from .padding import current_valid_length
+from zeroshard.comm import collectives as comm
+from zeroshard.sequence.gather import _slice_lengths, gather_sequence
+from zeroshard.sequence.padding import current_valid_length
 
 __all__ = ["LlavaFusionAdapter", "InternVLFusionAdapter", "Qwen2VLFusionAdapter"]
 

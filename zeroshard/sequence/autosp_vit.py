@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import comm
-from .gather import _slice_lengths, gather_sequence
-from .padding import current_valid_length, real_positions
+from zeroshard.comm import collectives as comm
+from zeroshard.sequence.gather import _slice_lengths, gather_sequence
+from zeroshard.sequence.padding import current_valid_length, real_positions
 
 __all__ = ["UlyssesSPViTAttention", "gather_sequence"]
 

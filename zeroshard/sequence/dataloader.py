@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import comm
+from zeroshard.comm import collectives as comm
 
 __all__ = ["UlyssesSPDataLoaderAdapter"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import comm
+from zeroshard.comm import collectives as comm
 
 __all__ = [
     "DistributedAttention",

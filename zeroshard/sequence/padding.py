@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import comm
-from .gather import gather_sequence
+from zeroshard.comm import collectives as comm
+from zeroshard.sequence.gather import gather_sequence
 
 __all__ = [
     "current_valid_length",

@@ -1,8 +1,15 @@
 """DeepSpeed's `deepspeed.utils` import path: `from zeroshard.utils import groups`, the
 tensor-fragment helpers (`safe_get_full_grad`, ...) and the stage-3 leaf modules."""
 
-from . import groups
-from .tensor_fragment import (
+from zeroshard.sharding import groups
+from zeroshard.sharding.leaf_modules import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
+from zeroshard.sharding.tensor_fragment import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,
@@ -16,13 +23,6 @@ from .tensor_fragment import (
     safe_set_local_grad,
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
-)
-from .z3_leaf_module import (
-    get_z3_leaf_modules,
-    set_z3_leaf_module,
-    set_z3_leaf_modules,
-    unset_z3_leaf_modules,
-    z3_leaf_module,
 )
 
 # (`z3_leaf_module` is the function here, as in DeepSpeed, not the submodule of that name.)

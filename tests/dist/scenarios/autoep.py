@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_autoep.py: tiny Hugging Face MoE models (Mixtral,
+"""Rank-side scenarios for tests/dist/moe/test_autoep.py: tiny Hugging Face MoE models (Mixtral,
 Qwen3-MoE, DeepSeek-V3) built from a config, swapped by AutoEP, against the unswapped model.
 
 Every rank builds the same weights (seeded), so the unswapped model on this rank's batch is an
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard
-from zeroshard.config_expert_parallel import ExpertParallelConfig
+from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.moe.utils import attach_expert_groups
 from zeroshard.module_inject.auto_ep import autoep_layers, replace_moe_layers
 

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_autosp.py: AutoSP's ViT wrapper and fusion adapters
+"""Rank-side scenarios for tests/dist/sequence/test_autosp.py: AutoSP's ViT wrapper and fusion adapters
 against the single-device computation (every rank computes that on the whole sequence too).
 
 Each rank's slice has its own length (the patch or token count is not a multiple of the ranks).

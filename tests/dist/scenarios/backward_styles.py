@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_backward_styles.py: one step function per style.
+"""Rank-side scenarios for tests/dist/grads/test_backward_styles.py: one step function per style.
 
 Each style drives one optimizer step up to, not including, the boundary `engine.step()`
 (which `common.train` calls after reading the gradients), and returns this rank's losses.

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_comm_dtypes.py: the collectives of one step."""
+"""Rank-side scenarios for tests/dist/comm/test_comm_dtypes.py: the collectives of one step."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_conformance.py."""
+"""Rank-side scenarios for tests/dist/engine/test_conformance.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_stage3_direct_use.py: a unit's parameters used as bare
+"""Rank-side scenarios for tests/dist/sharding/test_stage3_direct_use.py: a unit's parameters used as bare
 tensors by the root's code, by another unit's code, and through a weight tied to a unit."""
 
 from __future__ import annotations

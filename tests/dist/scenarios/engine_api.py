@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_engine_api.py: DeepSpeed's engine methods in the
+"""Rank-side scenarios for tests/dist/engine/test_engine_api.py: DeepSpeed's engine methods in the
 loops DeepSpeed users write (engine.scale, scale_wrt_gas, unmanaged accumulation, counters)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.dist.scenarios.common import (
     my_micro_batch,
     train,
 )
-from zeroshard import comm
+from zeroshard.comm import collectives as comm
 
 
 def scaled_step(engine, case: Case, batch) -> list[float]:

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_fault_injection.py: ranks that fall out of step.
+"""Rank-side scenarios for tests/dist/comm/test_fault_injection.py: ranks that fall out of step.
 
 Each task returns what it saw (the error's type and message, how long it took) instead of
 raising, and ends by destroying the process group when a collective failed (gloo may hold

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_gather.py."""
+"""Rank-side scenarios for tests/dist/sharding/test_gather.py."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from tests.dist.scenarios.common import Case, build_engine, engine_loop_step
 from tests.dist.reference import global_batches
-from zeroshard import comm
+from zeroshard.comm import collectives as comm
 
 
 def publish_in_flight(stage: int, bucket_numel: int) -> dict[str, Any]:

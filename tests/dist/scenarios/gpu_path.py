@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_gpu_path.py (stage-3 schedule on gloo)."""
+"""Rank-side scenarios for tests/dist/sharding/test_gpu_path.py (stage-3 schedule on gloo)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 import zeroshard
 from tests.dist.scenarios.common import Case, build_engine, engine_loop_step, full_masters
 from tests.dist.reference import global_batches
-from zeroshard import comm
+from zeroshard.comm import collectives as comm
 
 
 def prefetch_order(prefetch_numel: int) -> dict[str, Any]:
@@ -124,7 +124,7 @@ def direct_vs_staged(cases: list[Case]) -> list[dict[str, Any]]:
     element: every flat fills a bucket alone) and with every flat staged through a bucket copy;
     the full masters after every step and the losses of both."""
     from tests.dist.scenarios.common import train
-    from zeroshard.grad_reduce import GradientReducer
+    from zeroshard.grads.reduce import GradientReducer
 
     out = []
     real = GradientReducer._reduce_directly
@@ -165,7 +165,7 @@ def autocast_copies(stage: int) -> dict[str, Any]:
     """One torch_autocast(bf16) forward: the bytes of the autocast casts of parameters that the
     autograd graph saved for backward (they live until backward), beside the estimator's
     `autocast_weight_copies` for this model and world size."""
-    from zeroshard.memory import estimate_for_config
+    from zeroshard.tools.memory import estimate_for_config
 
     torch.manual_seed(0)
     model = _LinearStack()

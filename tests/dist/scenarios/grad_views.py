@@ -1,4 +1,4 @@
-"""Rank-side scenario for tests/dist/test_grad_views.py: `param.grad` after the boundary
+"""Rank-side scenario for tests/dist/grads/test_grad_views.py: `param.grad` after the boundary
 backward, read the way DeepSpeed users read it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_layout.py: hybrid sharding (zeroshard/layout.py)."""
+"""Rank-side scenarios for tests/dist/sharding/test_layout.py: hybrid sharding (zeroshard/sharding/layout.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank-side scenario for tests/dist/test_leaf_modules.py: an MoE block whose experts run
+"""Rank-side scenario for tests/dist/sharding/test_leaf_modules.py: an MoE block whose experts run
 data-dependently (each rank routes its tokens to a different expert), marked as a stage-3
 leaf so that it gathers as one."""
 

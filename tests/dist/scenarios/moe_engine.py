@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_moe_engine.py: an MoE model trained by the engine.
+"""Rank-side scenarios for tests/dist/moe/test_moe_engine.py: an MoE model trained by the engine.
 
 The model's weights are a function of each parameter's global name (expert parameters named
 by their global expert index), and rank r's micro-batches are the same for every ep_size, so

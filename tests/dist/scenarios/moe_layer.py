@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_moe_layer.py: the MoE layer at world size 4.
+"""Rank-side scenarios for tests/dist/moe/test_moe_layer.py: the MoE layer at world size 4.
 
 Weights are a function of the global expert index (`expert_state`), so a layer with any
 ep_size, and the single-process reference layer in the test, hold the same experts.

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_moe_muon.py: Muon on a model with expert parameters.
+"""Rank-side scenarios for tests/dist/moe/test_moe_muon.py: Muon on a model with expert parameters.
 
 The model holds both expert layouts: DeepSpeed's MoE layer (one 2-D Linear per expert, a
 `gate.wg` router) and AutoEP's stacked layout (`experts.w1` [local experts, ffn, hidden],

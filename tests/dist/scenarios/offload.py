@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_offload.py: the same runs with and without
+"""Rank-side scenarios for tests/dist/sharding/test_offload.py: the same runs with and without
 ZeRO-Offload, and what only offload could get wrong (accumulation across backwards, a
 repeated step, overflow, checkpoints)."""
 

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_overflow_clipping.py."""
+"""Rank-side scenarios for tests/dist/step/test_overflow_clipping.py."""
 
 from __future__ import annotations
 

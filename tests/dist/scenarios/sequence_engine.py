@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_sequence_engine.py: a tiny Llama trained through
+"""Rank-side scenarios for tests/dist/sequence/test_sequence_engine.py: a tiny Llama trained through
 ALST and the engine with sequence parallelism, against plain PyTorch on the same global batch.
 
 Reference (every rank computes it, single process, fp32): the model on each data-parallel

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_sequence_groups.py (the sequence-parallel mpu)."""
+"""Rank-side scenarios for tests/dist/sequence/test_sequence_groups.py (the sequence-parallel mpu)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _ranks(group: Any) -> tuple[int, ...]:
 
 
 def describe(sizes: list[int]) -> dict[str, Any]:
-    """For each sequence-parallel size: what the mpu and zeroshard.utils.groups report."""
+    """For each sequence-parallel size: what the mpu and zeroshard.sharding.groups report."""
     out: dict[str, Any] = {"before": (groups._get_sequence_parallel_group(),
                                       groups._get_sequence_parallel_world_size(),
                                       groups._get_sequence_parallel_rank())}

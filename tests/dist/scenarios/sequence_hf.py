@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_sequence_hf.py (ALST: Hugging Face models under Ulysses).
+"""Rank-side scenarios for tests/dist/sequence/test_sequence_hf.py (ALST: Hugging Face models under Ulysses).
 
 A tiny Llama is built from a config with the same seed on every rank. The reference is that
 model on the whole sequence in this process, computed before Ulysses is registered; then each

@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_sequence_layer.py (Ulysses all-to-all and attention).
+"""Rank-side scenarios for tests/dist/sequence/test_sequence_layer.py (Ulysses all-to-all and attention).
 
 Every rank builds the same full tensors from a seed, takes its own sequence chunk, and runs the
 distributed computation; the single-process result on the full tensors is computed on every
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from zeroshard import comm
-from zeroshard.layout import partition
+from zeroshard.comm import collectives as comm
+from zeroshard.sharding.layout import partition
 from zeroshard.sequence.layer import DistributedAttention, _SeqAllToAll, head_counts
 
 

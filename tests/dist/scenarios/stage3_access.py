@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_stage3_access.py: parameters reached other ways
+"""Rank-side scenarios for tests/dist/sharding/test_stage3_access.py: parameters reached other ways
 than through their unit's own forward, and parameters read outside a gather."""
 
 from __future__ import annotations

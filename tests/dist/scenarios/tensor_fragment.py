@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_tensor_fragment.py: zeroshard.utils' getters and
+"""Rank-side scenarios for tests/dist/sharding/test_tensor_fragment.py: zeroshard.utils' getters and
 setters on a small model with a frozen layer, in the loop a DeepSpeed user writes."""
 
 from __future__ import annotations

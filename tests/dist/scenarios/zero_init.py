@@ -1,4 +1,4 @@
-"""Rank-side scenarios for tests/dist/test_zero_init.py: models built under `zeroshard.zero.Init`."""
+"""Rank-side scenarios for tests/dist/zero/test_zero_init.py: models built under `zeroshard.zero.Init`."""
 
 from __future__ import annotations
 

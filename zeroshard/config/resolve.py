@@ -1,0 +1,92 @@
+"""The one validation pass: a raw config in, the frozen, resolved config out.
+
+``resolve_config`` is what ``initialize``, ``zeroshard explain``, the memory estimate, the
+optimizer and scheduler builders and checkpoint loading read. It runs every rule: each key's
+own (``zeroshard.config.schema.check_config``: types, ranges, the three key classes, the optimizer's
+and the schedule's parameters, the batch triangle) and the rules across sections (the
+precision plan of ``zeroshard.precision.plan``, Muon's parameters, an optimizer that cannot keep
+its state in the dtype the plan asks for). Every problem found is reported in one
+``ConfigError``, so ``explain`` and ``initialize`` refuse the same configs with the same message.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from zeroshard.config.error import raises_deepspeed_error
+from zeroshard.config.offload import offload_stage_problems
+from zeroshard.config.schema import PRECISION_KEYS, ConfigError, ZeroshardConfig, canonical_dtype_name, check_config
+from zeroshard.optim.build import state_dtype_problem
+from zeroshard.optim.muon.optimizer import muon_param_problems
+from zeroshard.precision.plan import resolve_precision_plan
+
+__all__ = ["resolve_config"]
+
+
+@raises_deepspeed_error
+def resolve_config(
+    raw: dict | str | os.PathLike, world_size: int = 1, sequence_parallel_size: int | None = None
+) -> ZeroshardConfig:
+    """Validate and resolve a DeepSpeed-style config for ``world_size`` ranks.
+
+    Args:
+        raw: the config as a dict, or the path of a JSON (or HJSON) file holding it.
+        world_size: every rank; the batch-size triangle counts data-parallel replicas,
+            world_size / sequence_parallel_size.
+        sequence_parallel_size: the size of sequence-parallel groups built elsewhere (an mpu);
+            None: the config's `sequence_parallel_size` (default 1).
+
+    Returns:
+        The frozen config, with ``precision_plan`` and ``stage_policy`` resolved.
+
+    Raises:
+        DeepSpeedConfigError (a ConfigError): listing every problem, each as
+            ``<key>=<value>: <rule>. <fix>``.
+    """
+    cfg, problems, tainted = check_config(raw, world_size, sequence_parallel_size)
+    if cfg is None:
+        raise ConfigError(problems)
+    if "data_types" not in tainted and (problem := _param_dtype_problem(cfg)):
+        problems.append(problem)
+    plan = None
+    if not tainted & PRECISION_KEYS:
+        try:
+            plan = resolve_precision_plan(cfg)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    problems.extend(offload_stage_problems(cfg.zero_optimization))
+    optimizer = cfg.optimizer
+    if optimizer is not None and "optimizer" not in tainted:
+        if optimizer.type.lower() == "muon":
+            problems.extend(muon_param_problems(optimizer.params))
+        elif plan is not None and any(
+            r.optimizer_state_dtype != r.master_dtype for r in plan.groups.values()
+        ) and (problem := state_dtype_problem(optimizer.type, optimizer.params)):
+            problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
+    assert plan is not None
+    new = [choice for choice in plan.lossy if choice not in _warned_lossy]
+    if new:  # explain silences this: it prints the same sentences as LOSSY lines
+        _warned_lossy.update(new)
+        warnings.warn("zeroshard: lossy precision choices in the config:\n  " + "\n  ".join(new), stacklevel=2)
+    cfg._precision_plan = plan
+    return cfg
+
+
+def _param_dtype_problem(cfg: ZeroshardConfig) -> str | None:
+    """DeepSpeed's rule: ``data_types.param_dtype``, when given, names the enabled mode's dtype."""
+    written = cfg.data_types.param_dtype
+    if written is None:
+        return None
+    mode_dtype = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    if canonical_dtype_name(written) == mode_dtype:
+        return None
+    return (
+        f'data_types.param_dtype="{written}": must match the enabled precision mode, whose parameters are '
+        f"{mode_dtype}. Enable the matching fp16/bf16 section, or remove data_types.param_dtype."
+    )
+
+
+_warned_lossy: set[str] = set()  # each lossy choice is warned about once per process

@@ -1,0 +1,158 @@
+"""The DeepSpeed engine methods that only report or adjust the engine's state.
+
+`EngineAPI` is mixed into `Engine` (engine.py orchestrates; these are the small accessors and
+controls a DeepSpeed script calls): the config queries, `scale`, `was_step_applied`,
+`destroy`, `empty_partition_cache` and `coalesce_grad_reduction`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from zeroshard.config.schema import ZeroshardConfig
+
+
+class _PreScaledLoss(torch.autograd.Function):
+    """`loss * scale` whose backward tells the engine that this backward is already scaled.
+
+    The engine applies the loss scale where the gradient enters the model (grad_path.py), so a
+    plain `loss.backward()` is scaled; a loss that went through `engine.scale` must not be
+    scaled there again. Its backward runs first in the graph task (the loss is the root), sets
+    the engine's flag and queues a callback that clears it when the graph task ends, so the
+    flag never outlives this one backward, whether or not the loss reached the model.
+    """
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, scale: float, engine: Any) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.engine = engine
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        engine = ctx.engine
+        engine._backward_prescaled = True
+
+        def clear() -> None:
+            engine._backward_prescaled = False
+
+        torch.autograd.Variable._execution_engine.queue_callback(clear)
+        return grad * ctx.scale, None, None
+
+
+class EngineAPI:
+    """DeepSpeed's query and control methods; expects the attributes `Engine` sets."""
+
+    config: ZeroshardConfig
+    _backward_prescaled: bool = False  # set during a backward of a loss from `scale`
+    _step_applied: bool = False
+    _coalesced: bool = False  # a coalesce_grad_reduction block ended: the next step() is the boundary
+    _in_coalesce: bool = False
+
+    # ----------------------------------------------------------------- config
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        """`bf16.enabled` (or its legacy section `bfloat16`)."""
+        return self.config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def managed_gradient_accumulation(self) -> bool:
+        """False: `step()` alone is the accumulation boundary (DeepSpeed 0.19's unmanaged mode)."""
+        return self.config.managed_gradient_accumulation
+
+    # ------------------------------------------------------------------ state
+    def _count_samples(self) -> None:
+        """DeepSpeed's global_samples, at a boundary step: a train batch per step, or with
+        unmanaged accumulation a micro-batch on every rank per backward since the last step."""
+        backwards = self._grads.backward_count
+        if self.config.managed_gradient_accumulation:
+            self.global_samples += self.config.train_batch_size
+        else:
+            per_backward = self.config.train_micro_batch_size_per_gpu * self.world_size
+            self.global_samples += per_backward * (backwards - self._backwards_at_last_step)
+        self._backwards_at_last_step = backwards
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step()` changed the parameters: False between accumulation
+        boundaries and when a non-finite gradient skipped the update."""
+        return self._step_applied
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the current loss scale, for `engine.scale(loss).backward()`.
+
+        fp16 with loss scaling: the engine does not scale that backward a second time, so the
+        gradients equal those of `engine.backward(loss)` or a plain `loss.backward()`. Without
+        loss scaling (scale 1): `loss` itself.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("engine.scale(): no optimizer. Set 'optimizer' in the config or pass optimizer=.")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError(
+                "engine.scale(loss): loss must be a scalar tensor with a grad_fn. For a non-scalar "
+                "output, call output.backward(grad) (the engine scales it)."
+            )
+        scale = self.loss_scaler.scale
+        if scale == 1.0:
+            return loss
+        return _PreScaledLoss.apply(loss, scale, self)
+
+    def empty_partition_cache(self) -> None:
+        """Free every gathered stage-3 parameter (they are gathered again when next used) and
+        return cached accelerator memory. A no-op for parameters kept whole (stages 0-2 and
+        stage-3 units under `stage3_param_persistence_threshold`)."""
+        if self._grads.in_backward or self._grads.forward_depth:
+            raise RuntimeError("engine.empty_partition_cache(): call it outside forward and backward.")
+        if self._grads.params is not None:
+            self._grads.params.free_all()  # pins too
+        for unit in self.units:
+            unit.free()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def destroy(self) -> None:
+        """Remove the engine's hooks from the module (DeepSpeed's cleanup). The engine cannot
+        train afterwards; the module's parameters stay where the stage keeps them (at stage 3,
+        shards: gather them first with `GatheredParameters` if the module is to be used alone)."""
+        self._grads.remove()
+        if self._grads.params is not None:  # stage 3's gather and free hooks
+            self._grads.params.remove()
+        for unit in self.units:
+            unit.free()
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """One with-block is one optimizer step: every backward inside keeps its gradients
+        local (no communication), the exit reduces their sum once, and the `step()` after the
+        block is the accumulation boundary. ZeRO stages 1-3, as DeepSpeed; `step()` inside the
+        block is an error, and so is nesting it in `no_sync()`."""
+        if not self.config.managed_gradient_accumulation:
+            raise RuntimeError(
+                "coalesce_grad_reduction(): with managed_gradient_accumulation false, step() already "
+                "decides the boundary; call backward several times, then step()."
+            )
+        if self.config.zero_optimization.stage == 0:
+            raise NotImplementedError("coalesce_grad_reduction() needs ZeRO stage 1, 2 or 3 (as in DeepSpeed).")
+        grads = self._grads
+        if not grads.sync_enabled:
+            raise RuntimeError("coalesce_grad_reduction() cannot be nested in no_sync() or in itself.")
+        grads.sync_enabled = False
+        self._in_coalesce = True
+        try:
+            yield
+        finally:
+            grads.sync_enabled = True
+            self._in_coalesce = False
+        grads.flush()  # one reduction pass, the same collectives on every rank
+        self._coalesced = True

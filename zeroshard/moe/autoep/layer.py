@@ -1,0 +1,245 @@
+"""`AutoEPMoELayer`: the expert-parallel replacement of a Hugging Face MoE block (DeepSpeed's
+`deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer`, same submodule names).
+
+    layer.router.gate.weight                [E, hidden]        the router (dense, replicated)
+    layer.router.e_score_correction_bias    [E]                DeepSeek-V3's selection bias (buffer)
+    layer.experts.w1 / experts.w3           [L, ffn, hidden]   this rank's L = E / ep_size experts
+    layer.experts.w2                        [L, hidden, ffn]
+    layer.shared_experts / shared_expert... the model's own dense modules, unchanged
+
+Local expert j is global expert `ep_rank * L + j`, ep_rank = rank % ep_size (expert-parallel
+groups are consecutive ranks, zeroshard/sharding/groups.py). The forward computes what the
+Hugging Face block computes (zeroshard/moe/autoep/presets.py describes each
+family's routing), with a dropless all-to-all in between (auto_ep_dispatch.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zeroshard.comm.collectives import Group
+from zeroshard.moe.autoep.dispatch import combine, dispatch
+from zeroshard.moe.autoep.presets import RoutingSettings
+from zeroshard.sharding import groups
+
+__all__ = ["AutoEPMoELayer", "AutoEPRouter", "GroupedExperts", "RouterGate"]
+
+
+class RouterGate(nn.Module):
+    """The router's scoring matrix. Its forward returns the router logits, so Hugging Face's
+    output recorder (`output_router_logits=True`) can hook it as it hooks the model's router."""
+
+    def __init__(self, hidden: int, num_experts: int, logits_fp32: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.logits_fp32 = logits_fp32
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        if self.logits_fp32:
+            return F.linear(tokens.float(), self.weight.float())
+        return F.linear(tokens, self.weight)
+
+
+class AutoEPRouter(nn.Module):
+    """Token-choice top-k routing: scores (softmax or sigmoid, in fp32), an optional selection
+    bias added for choosing only, group-limited choice, the unbiased scores of the chosen
+    experts as weights, renormalised if `route_norm`, times `route_scale`."""
+
+    def __init__(self, hidden: int, settings: RoutingSettings, selection_bias: Tensor | None) -> None:
+        super().__init__()
+        self.gate = RouterGate(hidden, settings.num_experts, settings.preset.logits_fp32)
+        self.num_experts = settings.num_experts
+        self.top_k = settings.top_k
+        self.score_func = settings.score_func
+        self.route_norm = settings.route_norm
+        self.route_scale = settings.route_scale
+        self.num_expert_groups = settings.num_expert_groups
+        self.num_limited_groups = settings.num_limited_groups
+        self.group_score = settings.preset.group_score
+        self.weights_in_logits_dtype = settings.preset.weights_in_logits_dtype
+        if selection_bias is not None:
+            self.register_buffer("e_score_correction_bias", selection_bias.detach().clone())
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """tokens [T, hidden] -> (logits [T, E], weights [T, k], selected experts [T, k])."""
+        logits = self.gate(tokens)
+        if self.score_func == "sigmoid":
+            scores = logits.float().sigmoid()
+        else:
+            scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.num_expert_groups is not None:
+            choice = self._limit_groups(choice)
+        if self.e_score_correction_bias is None and self.num_expert_groups is None:
+            weights, selected = torch.topk(scores, self.top_k, dim=-1)
+        else:
+            selected = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, selected)
+        if self.route_norm:
+            denominator = weights.sum(dim=-1, keepdim=True)
+            if self.score_func == "sigmoid":
+                denominator = denominator + 1e-20
+            weights = weights / denominator
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
+        if self.weights_in_logits_dtype:
+            weights = weights.to(logits.dtype)
+        return logits, weights, selected
+
+    def _limit_groups(self, choice: Tensor) -> Tensor:
+        assert self.num_expert_groups is not None and self.num_limited_groups is not None
+        grouped = choice.view(-1, self.num_expert_groups, self.num_experts // self.num_expert_groups)
+        if self.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        kept = torch.topk(group_scores, k=self.num_limited_groups, dim=-1, sorted=False)[1]
+        dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept, False)
+        return grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(-1, self.num_experts)
+
+
+class GroupedExperts(nn.Module):
+    """This rank's experts as stacked weights; expert j computes w2[j] (act(w1[j] x) * w3[j] x)."""
+
+    def __init__(self, w1: Tensor, w2: Tensor, w3: Tensor, act_fn: nn.Module | None, group_name: str) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(w1)
+        self.w2 = nn.Parameter(w2)
+        self.w3 = nn.Parameter(w3)
+        self.act_fn = act_fn if act_fn is not None else nn.SiLU()
+        for p in (self.w1, self.w2, self.w3):
+            p.allreduce = False  # DeepSpeed's expert-parameter markers (zeroshard/moe/utils.py)
+            p.group_name = group_name
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        """x [N, hidden], rows grouped by local expert (`counts` rows each). Every expert runs,
+        an empty one on zero rows, so each slice of the weights gets a gradient (zeros)."""
+        outs = []
+        for j, chunk in enumerate(torch.split(x, counts)):
+            h = self.act_fn(F.linear(chunk, self.w1[j])) * F.linear(chunk, self.w3[j])
+            outs.append(F.linear(h, self.w2[j]))
+        return torch.cat(outs)
+
+
+class AutoEPMoELayer(nn.Module):
+    """Expert-parallel replacement of one Hugging Face MoE block; its forward takes and returns
+    what the block's does (hidden states [B, S, H] -> [B, S, H])."""
+
+    _is_autoep_layer = True
+
+    def __init__(self, source: nn.Module, settings: RoutingSettings, ep_size: int, ep_rank: int) -> None:
+        super().__init__()
+        preset = settings.preset
+        hf_router = getattr(source, preset.router_pattern)
+        hf_experts = getattr(source, preset.experts_pattern)
+        self.num_experts = settings.num_experts
+        self.top_k = settings.top_k
+        self.ep_size = ep_size
+        self.ep_rank = ep_rank
+        self.num_local_experts = settings.num_experts // ep_size
+        self.ep_group_name = groups.expert_group_name(ep_size)
+        self.ep_group: Group | None = None
+        self.settings = settings
+        bias = getattr(hf_router, preset.selection_bias, None) if preset.selection_bias else None
+        router_weight = hf_router.weight
+        self.hidden_size = router_weight.shape[1]
+        self.router = AutoEPRouter(self.hidden_size, settings, bias)
+        # A copy on the source's device and in its dtype (meta too: `zeroshard explain`).
+        self.router.gate.weight = nn.Parameter(
+            router_weight.detach().clone(), requires_grad=router_weight.requires_grad
+        )
+        w1, w2, w3 = _local_expert_weights(hf_experts, preset, ep_rank * self.num_local_experts, self.num_local_experts)
+        self.experts = GroupedExperts(w1, w2, w3, getattr(hf_experts, "act_fn", None), self.ep_group_name)
+        for p in (self.experts.w1, self.experts.w2, self.experts.w3):
+            # Where this rank's stack sits in the global [E, ...] one (experts are contiguous
+            # blocks along dim 0): checkpoints save and load the global tensor, so they are the
+            # same for every autoep_size (zeroshard/checkpoint/names.py).
+            p.autoep_global_shape = (settings.num_experts, *p.shape[1:])
+            p.autoep_offset = ep_rank * p.numel()
+        self.shared_expert_names: list[str] = []
+        for name in (preset.shared_experts_pattern, preset.shared_experts_gate_pattern):
+            if name and getattr(source, name, None) is not None:
+                setattr(self, name, getattr(source, name))
+                self.shared_expert_names.append(name)
+        self.shared_experts_pattern = preset.shared_experts_pattern
+        self.shared_experts_gate_pattern = preset.shared_experts_gate_pattern
+        # Mixtral's router_jitter_noise: inputs scaled by U(1 - j, 1 + j) in training.
+        self.jitter_noise = float(getattr(source, "jitter_noise", 0.0) or 0.0)
+        # Routes per global expert since the last optimizer step (auxiliary-loss-free balancing).
+        self.tokens_per_expert: Tensor | None = None
+        self.count_tokens = False
+
+    def set_deepspeed_parallelism(self) -> None:
+        """Build (once per size, collectively) and attach the expert-parallel group."""
+        groups._create_expert_and_data_parallel(self.ep_size)
+        self.ep_group = groups._get_expert_parallel_group(self.ep_group_name)
+
+    def global_expert_index(self, local_index: int) -> int:
+        return self.ep_rank * self.num_local_experts + local_index
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # the same draw as the Hugging Face block's
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        tokens = hidden_states.reshape(-1, shape[-1])
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError(
+                f"AutoEPMoELayer with autoep_size={self.ep_size} has no expert-parallel group: call "
+                "set_deepspeed_parallelism() (zeroshard.initialize does) before the forward."
+            )
+        _, weights, selected = self.router(tokens)
+        if self.count_tokens and self.training:  # evaluation forwards do not steer the balance
+            counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts).float()
+            self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+        group = self.ep_group if self.ep_size > 1 else None
+        routed, plan, order = dispatch(tokens, selected, self.num_experts, group, self.num_local_experts)
+        expert_out = self.experts(routed, plan.local_counts)
+        per_route = combine(expert_out, plan, order, group, selected.numel())
+        # Weighted sum over each token's k routes, in the weights' dtype (fp32 for Mixtral
+        # and DeepSeek, the hidden dtype for Qwen), as the Hugging Face experts apply them.
+        per_route = per_route.view(*selected.shape, -1) * weights.unsqueeze(-1)
+        out = per_route.sum(dim=1).to(hidden_states.dtype)
+        shared = self._shared(tokens)
+        if shared is not None:
+            out = out + shared
+        return out.view(shape)
+
+    def _shared(self, tokens: Tensor) -> Tensor | None:
+        name, gate_name = self.shared_experts_pattern, self.shared_experts_gate_pattern
+        if not name or name not in self.shared_expert_names:
+            return None
+        out = getattr(self, name)(tokens)
+        if gate_name and gate_name in self.shared_expert_names:
+            out = torch.sigmoid(getattr(self, gate_name)(tokens)) * out
+        return out
+
+
+def _local_expert_weights(experts: nn.Module, preset, first: int, count: int) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's slice of the experts' weights, split into w1/w2/w3 ([L, ffn, hidden] for
+    w1 and w3, [L, hidden, ffn] for w2), copied (the source block is dropped)."""
+    if isinstance(experts, nn.ModuleList):  # one module per expert (older layouts)
+        picked = list(experts)[first:first + count]
+        w1 = torch.stack([_weight(getattr(e, preset.expert_w1)) for e in picked])
+        w2 = torch.stack([_weight(getattr(e, preset.expert_w2)) for e in picked])
+        w3 = torch.stack([_weight(getattr(e, preset.expert_w3 or "up_proj")) for e in picked])
+        return w1, w2, w3
+    w2 = _weight(getattr(experts, preset.expert_w2))[first:first + count].detach().clone()
+    w1_full = _weight(getattr(experts, preset.expert_w1))[first:first + count].detach()
+    if preset.expert_w3 is None:  # fused [E, 2*ffn, hidden]: gate rows first, then up
+        ffn = w1_full.shape[1] // 2
+        return w1_full[:, :ffn].clone(), w2, w1_full[:, ffn:].clone()
+    w3 = _weight(getattr(experts, preset.expert_w3))[first:first + count].detach().clone()
+    return w1_full.clone(), w2, w3
+
+
+def _weight(obj) -> Tensor:
+    return obj.weight.detach() if isinstance(obj, nn.Module) else obj.detach()

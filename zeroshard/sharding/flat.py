@@ -1,0 +1,429 @@
+"""Flat parameter buffers and their shards.
+
+[Note: flat buffers]
+Each unit's trainable parameters are packed, per (precision role, optimizer param group)
+class, into one 1-D buffer:
+
+    full         1-D, padded_numel elements, parameter dtype. Module parameters are views
+                 into it. At stage 3 its storage is freed between uses (resized to 0 bytes;
+                 the views stay attached and see the data again once it is re-gathered).
+    shard        this rank's slice of `full`: [r * shard_numel, (r+1) * shard_numel), r the
+                 rank's index in the flat's shard group (`spec.shard`, zeroshard/sharding/layout.py).
+                 padded_numel = shard_numel x shard group size, so every rank owns an equal
+                 slice; the padding at the end is zeros and stays zero. Ranks of one replica
+                 group (`spec.replicate`) hold the same shard.
+    param_shard  stage 3 only: the persistent copy of this rank's slice in the parameter
+                 dtype, the source of every all-gather.
+    master       what the optimizer steps on: the whole buffer at stage 0, the shard at
+                 stages 1-3. In the dtype `role.master_dtype`; when the plan says the master
+                 weights are the parameters (fp32 and torch_autocast modes) it is a view of
+                 `full` (stages 0-2) or `param_shard` itself (stage 3), never a copy.
+    local_grad   gradients accumulated on this rank and not yet reduced (full size).
+    reduced_grad the reduced (summed over ranks, divided by world_size x grad_accum_steps)
+                 gradient for the master's range, in the accumulation dtype.
+    reduced_full stages 0-1 (an all-reduce): the whole reduced gradient, full size, of which
+                 `reduced_grad` is the master's range (all of it at stage 0, this rank's
+                 shard as a view at stage 1). None at stages 2-3 (a reduce-scatter leaves
+                 only the shard).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from zeroshard.comm import collectives as comm
+from zeroshard.precision.plan import RolePlan
+from zeroshard.sharding.gather import Gathering, GatherPiece, all_gather_shards
+from zeroshard.sharding.layout import ShardingSpec
+from zeroshard.sharding.offload import host_copy
+from zeroshard.sharding.ranges import overlap
+from zeroshard.sharding.stages import StagePolicy
+from zeroshard.sharding.streams import COMPUTE, GATHER, NULL_STREAMS, StreamSet
+
+
+class ShardState(Enum):
+    SHARDED = "sharded"  # full buffer has no storage (stage 3 between uses)
+    UNSHARDED = "unsharded"  # full buffer materialised, module params valid
+
+
+class FlatParamGroup:
+    """One flat buffer: a unit's parameters of one precision role and optimizer group."""
+
+    # Stage 3's gathers run on a side stream on CUDA (the engine sets real streams there);
+    # no-ops elsewhere. See [Note: streams and events] in zeroshard/sharding/streams.py.
+    streams: StreamSet = NULL_STREAMS
+
+    def __init__(
+        self,
+        unit_name: str,
+        names: list[str],
+        params: list[nn.Parameter],
+        role: RolePlan,
+        optimizer_group: int,
+        policy: StagePolicy,
+        device: torch.device,
+        spec: ShardingSpec | None = None,
+    ) -> None:
+        self.unit_name = unit_name
+        self.names = names
+        self.params = params
+        self.role = role
+        self.optimizer_group = optimizer_group
+        self.policy = policy
+        self.device = device
+        if spec is None:  # no layout given: sharded over the whole world
+            world = comm.world_group()
+            spec = ShardingSpec(world, comm.self_group(world), world)
+        self.spec = spec
+        self.shard_size = spec.shard.size
+        self.shard_rank = spec.shard.rank
+
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets: list[int] = []
+        offset = 0
+        for n in self.numels:
+            self.offsets.append(offset)
+            offset += n
+        self.numel = offset
+        ws = self.shard_size
+        self.shard_numel = max(1, -(-self.numel // ws))  # ceil, at least one element
+        self.padded_numel = self.shard_numel * ws
+        self.shard_start = self.shard_rank * self.shard_numel
+
+        self.full = torch.zeros(self.padded_numel, dtype=role.param_dtype, device=device)
+        with torch.no_grad():
+            for p, off, n in zip(params, self.offsets, self.numels, strict=False):
+                self.full[off : off + n].copy_(p.detach().reshape(-1))
+        # Every rank starts from the first peer's values (rank 0's for dense flats), as DeepSpeed does.
+        comm.broadcast(self.full, src=spec.peers.ranks[0], group=spec.peers, tag="init")
+        self._attach_views()
+        self.state = ShardState.UNSHARDED
+
+        self._pending_gather: Gathering | None = None  # the all-gather in flight
+        self.param_shard: torch.Tensor | None = None
+        if not policy.keep_full_params:
+            if spec.param_placement == "host":  # offload_param: the gathers start from the host
+                self.param_shard = host_copy(self.shard_of(self.full), role.param_dtype, spec.pin_memory)
+            else:
+                self.param_shard = self.shard_of(self.full).clone()
+
+        self.master = self._make_master()
+        self.local_grad: torch.Tensor | None = None
+        # Params whose region of `local_grad` holds no gradient of this accumulation yet (its
+        # contents are stale or uninitialised): their first gradient is copied in, not added,
+        # so the buffer is never zero-filled up front (see `accumulate`).
+        self._unwritten: set[int] = set()
+        self.reduced_grad: torch.Tensor | None = None
+        self.reduced_full: torch.Tensor | None = None
+        # The full local buffer `reduced_grad` lives in, when a reduction ran in place.
+        self._reduced_in_local: torch.Tensor | None = None
+        # Offload: elements of `reduced_grad` copied to the host landing buffer since it last
+        # changed otherwise (zeroshard/sharding/offload.py's HostGradients); anything else that writes
+        # it resets this, so the step then moves the whole shard again.
+        self.host_landed = 0
+        if not policy.keep_full_params:
+            self.free_full()
+
+    # ----------------------------------------------------------------- layout
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full-size flat tensor (a view)."""
+        return flat.narrow(0, self.shard_start, self.shard_numel)
+
+    def param_range_in_shard(self, index: int) -> tuple[int, int, int] | None:
+        """(start in shard, start in param, length) of param `index`'s overlap with the shard."""
+        common = overlap(
+            self.offsets[index], self.offsets[index] + self.numels[index],
+            self.shard_start, self.shard_start + self.shard_numel,
+        )
+        if common is None:
+            return None
+        lo, hi = common
+        return lo - self.shard_start, lo - self.offsets[index], hi - lo
+
+    def _attach_views(self) -> None:
+        # Torch function modes off: the engine's own writes are no use of the parameter
+        # (zeroshard/sharding/direct_use.py's mode would take them for one).
+        with torch._C.DisableTorchFunction():
+            for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=False):
+                p.data = self.full.narrow(0, off, n).view(shape)
+                p.ds_shape, p.ds_numel = shape, n  # the full shape, also while freed (DeepSpeed's names)
+
+    def _detach_views(self) -> None:
+        """[Note: a freed parameter is visibly empty]
+        Outside a gather a stage-3 parameter holds a 0-element tensor (numel 0, as DeepSpeed
+        and FSDP1 do): `p.sum()`, `p.clone()` and `copy.deepcopy` give empty results and ops
+        that need the values raise a Python error. A full-shaped view over the freed 0-byte
+        storage would crash the process instead. `full` keeps its storage (resized to 0, then
+        regrown by the next gather), so tensors autograd saved as views of it stay valid;
+        `ds_shape` keeps the full shape. Read the values inside
+        zeroshard.zero.GatheredParameters."""
+        empty = self.full.new_empty(0)
+        with torch._C.DisableTorchFunction():  # see _attach_views
+            for p in self.params:
+                p.data = empty
+
+    # ----------------------------------------------------------------- master
+    @property
+    def master_is_own_copy(self) -> bool:
+        """The master is a tensor of its own, not the parameter buffer (or its shard)."""
+        return not self.role.master_is_param or self.master is not self._param_home()
+
+    def _param_home(self) -> torch.Tensor:
+        if self.param_shard is not None:
+            return self.param_shard
+        return self.shard_of(self.full) if self.policy.shard_optimizer else self.full
+
+    def _make_master(self) -> torch.Tensor:
+        role = self.role
+        home = self.spec.param_placement if self.param_shard is not None else "device"
+        if self.spec.placement != home:
+            # Offload: the master lives apart from the parameters (zeroshard/sharding/offload.py), in
+            # its own copy even when the plan says the masters are the parameters.
+            if self.spec.placement == "host":
+                return host_copy(self._param_home(), role.master_dtype, self.spec.pin_memory)
+            return self._param_home().to(device=self.device, dtype=role.master_dtype, copy=True)
+        if role.master_is_param:
+            if self.param_shard is not None:
+                return self.param_shard
+            return self.shard_of(self.full) if self.policy.shard_optimizer else self.full
+        source = self.shard_of(self.full) if self.policy.shard_optimizer else self.full
+        return source.detach().to(role.master_dtype, copy=True)
+
+    def master_range(self) -> tuple[int, int]:
+        """(start, length) of the master's elements within the full flat buffer."""
+        if self.policy.shard_optimizer:
+            return self.shard_start, self.shard_numel
+        return 0, self.padded_numel
+
+    # ------------------------------------------------------ full buffer storage
+    def free_full(self) -> None:
+        if self.policy.keep_full_params:
+            return
+        if self._pending_gather is not None:
+            self.finish_gather()  # never free memory a collective is still writing
+        if self.state is ShardState.SHARDED:
+            return
+        # Compute waited on the gather's event (finish_gather): the release is in compute order.
+        self.streams.released(self.unit_name)
+        self.full.untyped_storage().resize_(0)
+        self._detach_views()
+        self.state = ShardState.SHARDED
+
+    def start_gather(self, tag: str = "param", exact: bool = False) -> None:
+        """Begin materialising the full buffer from every rank's `param_shard` (stage 3).
+
+        Asynchronous: `finish_gather` (or `gather_full`) waits for it. Used to prefetch the
+        next unit while the current one computes. The wire carries the plan's gather dtype,
+        or with `exact` the parameter dtype (for users reading parameters, not for compute).
+        """
+        if self.state is ShardState.UNSHARDED or self._pending_gather is not None:
+            return
+        assert self.param_shard is not None
+        # Allocated on the compute stream; the gather stream writes it only after compute's
+        # queued work so far (the allocation, the step's writes of param_shard).
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        streams = self.streams
+        ready = streams.record(COMPUTE, f"gather-ready:{self.unit_name}")
+        with streams.on(GATHER):
+            streams.wait(GATHER, ready)
+            self._pending_gather = all_gather_shards(
+                [GatherPiece(self.param_shard, self.full)], group=self.spec.shard, tag=tag,
+                wire_dtype=None if exact else self.role.gather_dtype,
+            )
+
+    def finish_gather(self) -> None:
+        if self._pending_gather is None:
+            return
+        pending, self._pending_gather = self._pending_gather, None
+        streams = self.streams
+        with streams.on(GATHER):
+            pending.wait()  # the gather stream joins the collective (and copies out a bucket)
+            done = streams.record(GATHER, f"gather-done:{self.unit_name}")
+        streams.wait(COMPUTE, done)  # before any read of the gathered parameters or a free
+        self._attach_views()
+        self.state = ShardState.UNSHARDED
+
+    def gather_full(self, tag: str = "param", exact: bool = False) -> None:
+        """Materialise the full buffer now (waiting for a prefetch already in flight)."""
+        if self.state is ShardState.UNSHARDED:
+            return
+        self.start_gather(tag, exact)
+        self.finish_gather()
+
+    def needs_gather_to_publish(self) -> bool:
+        """Stages 1-2: the master is a shard but every rank keeps the full parameters, so
+        publishing is an all-gather (zeroshard/step/publish.py buckets those across flats)."""
+        return self.policy.shard_optimizer and self.param_shard is None
+
+    def publish_master(self) -> None:
+        """After an optimizer step, without communication (stages 0 and 3): make the module
+        parameters (stage 3: this rank's parameter shard) equal the new master values. Stages
+        1-2 publish through `zeroshard.step.publish.publish_masters`, which all-gathers."""
+        assert not self.needs_gather_to_publish(), "stages 1-2 publish with publish_masters"
+        with torch.no_grad():
+            if self.param_shard is not None:  # stage 3: params stay sharded
+                if self.param_shard is not self.master:
+                    self.param_shard.copy_(self.master)
+            elif self.master_is_own_copy:  # stage 0 with a separate master
+                self.full.copy_(self.master)
+
+    # ------------------------------------------------- writes from outside training
+    def load_master(self, values: torch.Tensor) -> None:
+        """Set the master weights (laid out as `master_range()` says) from a checkpoint. The
+        module parameters follow at the next `publish_masters`; call `free_full` afterwards
+        at stage 3 (a gathered copy would be stale)."""
+        with torch.no_grad():
+            self.master.copy_(values.to(self.master.device))
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Install `state` (elementwise tensors laid out like the master) as `optimizer`'s
+        state for this flat's master, on the master's device; 0-d tensors (`step`) stay on the
+        host unless the optimizer reads them on the device (fused or capturable Adam)."""
+        group = next((g for g in optimizer.param_groups if any(p is self.master for p in g["params"])), {})
+        # Fused and capturable Adam read `step` in their kernels, on the masters' device;
+        # otherwise torch keeps it on the host, where reading it waits for nothing.
+        device_scalars = bool(group.get("fused") or group.get("capturable"))
+        optimizer.state[self.master] = {
+            k: v.to(self.master.device) if isinstance(v, torch.Tensor) and (v.dim() > 0 or device_scalars) else v
+            for k, v in state.items()
+        }
+
+    def write_back_full(self, changed: torch.Tensor) -> None:
+        """Make the parameter shard and the master agree with `full` where `changed` (a
+        full-size mask) is set; an untouched element keeps its master value (a bf16
+        parameter must not round an fp32 master it did not change). GatheredParameters'
+        modifier path."""
+        full = self.full
+        with torch.no_grad():
+            if self.param_shard is not None:
+                at = self.param_shard.device  # the host with offload_param
+                shard_changed = self.shard_of(changed).to(at)
+                self.param_shard.copy_(torch.where(shard_changed, self.shard_of(full).to(at), self.param_shard))
+            source = full if not self.policy.shard_optimizer else self.shard_of(full)
+            if self.master is source or self.master is self.param_shard or not self.master_is_own_copy:
+                return  # the master is the parameter buffer itself: already written
+            mask = changed if not self.policy.shard_optimizer else self.shard_of(changed)
+            at = self.master.device
+            self.master.copy_(torch.where(mask.to(at), source.to(device=at, dtype=self.master.dtype), self.master))
+
+    # -------------------------------------------------------------- gradients
+    def _restart_local(self, buffer: torch.Tensor) -> None:
+        """`buffer` becomes the local gradient of a new accumulation: every parameter's region
+        counts as unwritten (zeroed lazily); the padding is zeroed now, since it is reduced."""
+        buffer.narrow(0, self.numel, self.padded_numel - self.numel).zero_()
+        self.local_grad = buffer
+        self._unwritten = set(range(len(self.params)))
+
+    def local_grad_buffer(self) -> torch.Tensor:
+        """The full-size local gradient buffer in the accumulation dtype, allocated on first
+        use. At stages 2-3 it lives only until the unit is reduced, but it still accumulates
+        (no_sync micro-steps, several autograd phases), so it too is in the accumulation
+        dtype: summing in the gradient dtype would lose what fp32 accumulation promises.
+
+        Regions no gradient reached yet may hold anything: read it through `settled_local_grad`."""
+        if self.local_grad is None:
+            self._restart_local(
+                torch.empty(self.padded_numel, dtype=self.role.grad_accum_dtype, device=self.device)
+            )
+        return self.local_grad
+
+    def settled_local_grad(self) -> torch.Tensor:
+        """The local gradient with every region no gradient reached set to zero."""
+        buf = self.local_grad_buffer()
+        for index in self._unwritten:
+            buf.narrow(0, self.offsets[index], self.numels[index]).zero_()
+        self._unwritten.clear()
+        return buf
+
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        buf = self.local_grad_buffer()
+        region = buf.narrow(0, self.offsets[index], self.numels[index])
+        # The first gradient of an accumulation is copied (cast if need be): one pass over
+        # the region instead of a zero fill and an add.
+        if index in self._unwritten:
+            region.copy_(grad.reshape(-1))
+            self._unwritten.discard(index)
+        else:
+            region.add_(grad.reshape(-1))
+
+    def reduced_grad_buffer(self) -> torch.Tensor:
+        """The reduced gradient of the master's range (zeros when none was reduced yet)."""
+        if self.reduced_grad is None:
+            dtype = self.role.grad_accum_dtype
+            if self.policy.scatter:
+                self.reduced_grad = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
+            else:  # an all-reduce fills the whole buffer; the master reads its range of it
+                self.reduced_full = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
+                self.reduced_grad = self._master_part(self.reduced_full)
+        return self.reduced_grad
+
+    def reduced_full_buffer(self) -> torch.Tensor:
+        """Stages 0-1: the whole reduced gradient (what an all-reduce writes)."""
+        assert not self.policy.scatter, "a reduce-scatter leaves only the shard"
+        self.reduced_grad_buffer()
+        assert self.reduced_full is not None
+        return self.reduced_full
+
+    def _master_part(self, full: torch.Tensor) -> torch.Tensor:
+        return self.shard_of(full) if self.policy.shard_optimizer else full
+
+    def begin_reduction(self) -> tuple[torch.Tensor, bool]:
+        """Hand the local gradient to the reducer: (the settled local buffer, in place).
+
+        In place when nothing reduced is waiting at stages 0-1: the local buffer becomes the
+        whole reduced gradient (`reduced_full`; the master reads its range of it) and the
+        reducer's all-reduce writes the result back into it, so those stages keep one full
+        gradient buffer, not a second for the result.
+        Otherwise the reducer copies the values out, accumulates the result into
+        `reduced_grad_buffer()` and calls `end_reduction`.
+        """
+        local = self.settled_local_grad()
+        in_place = (
+            self.reduced_grad is None
+            and local.dtype == self.role.grad_accum_dtype
+            and not self.policy.reduce_every_backward
+        )
+        if in_place:
+            self.reduced_full = local
+            self.reduced_grad = self._master_part(local)
+            self._reduced_in_local = local
+            self.local_grad = None
+        return local, in_place
+
+    def end_reduction(self) -> None:
+        """The local values were copied out for reduction: zero the persistent buffer
+        (stages 0-1) or free it (2-3)."""
+        if self.local_grad is None:
+            return
+        if self.policy.reduce_every_backward:
+            self.local_grad = None
+        else:
+            self._restart_local(self.local_grad)
+
+    def drop_grads(self) -> None:
+        """Forget every accumulated gradient, local and reduced (zero_grad)."""
+        self.master.grad = None
+        if self.local_grad is not None:
+            self.end_reduction()
+        self.clear_reduced()
+
+    def clear_reduced(self) -> None:
+        """After a step (or zero_grad): zero the reduced gradient; a buffer that was the local
+        one becomes the local one again."""
+        self.host_landed = 0
+        if self._reduced_in_local is not None:
+            base, self._reduced_in_local, self.reduced_grad = self._reduced_in_local, None, None
+            self.reduced_full = None
+            if self.local_grad is None:
+                self._restart_local(base)  # no zero fill: see `accumulate`
+        elif self.reduced_full is not None:
+            self.reduced_full.zero_()
+        elif self.reduced_grad is not None:
+            self.reduced_grad.zero_()
+
+    def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        return flat.narrow(0, self.offsets[index], self.numels[index]).view(self.shapes[index])

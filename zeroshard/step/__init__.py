@@ -1,0 +1,1 @@
+"""The optimizer step: reduced gradient -> master weights -> module parameters."""

@@ -1,0 +1,1 @@
+"""Tools over a config and a model: `explain` (the resolved plan) and the memory estimate."""

@@ -1,0 +1,402 @@
+"""What a config resolves to: the data behind `zeroshard explain` and its text.
+
+`explain_data` returns the precision plan per parameter group, the defaults applied, the keys
+accepted with no effect and the per-rank memory estimate as a dict (the CLI's --json);
+`print_tables` renders it; `explain_text` is the rendered text as a string (the demo writes it
+next to its run). A bad config raises `ConfigError`; a bad --model or --params `UsageError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from zeroshard.config.resolve import resolve_config
+from zeroshard.config.schema import ConfigError, ZeroshardConfig
+from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
+from zeroshard.tools.memory import MemoryEstimate, bytes_per_param, estimate_for_config, optimizer_state_count
+
+__all__ = [
+    "ConfigError", "UsageError", "build_model_on_meta", "explain_data", "explain_text", "preset_names", "print_tables",
+]
+
+ROLE_ROWS = (
+    ("param", "module parameters"),
+    ("compute", "compute"),
+    ("grad", "gradient (autograd)"),
+    ("grad_accum", "gradient accumulation"),
+    ("reduce", "reduce (wire)"),
+    ("gather", "all-gather (wire)"),
+    ("master", "master weights"),
+    ("optimizer_state", "optimizer state"),
+)
+# How many parameter names per group the table shows (JSON lists them all).
+_NAMES_SHOWN = 6
+
+
+class UsageError(Exception):
+    """A bad command-line argument (exit status 2)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Models for --model
+# ---------------------------------------------------------------------------------------------
+
+
+def preset_names() -> list[str]:
+    try:
+        from zeroshard.demo.model import PRESETS
+    except ImportError:
+        return []
+    return list(PRESETS)
+
+
+def build_model_on_meta(spec: str) -> Any:
+    """Build ``spec`` on the meta device: shapes without memory.
+
+    Args:
+        spec: a demo preset name (``tiny``, ``small``, ``gpt2-124m``, ...) or ``module:factory``,
+            where ``factory()`` (a function or class, called without arguments) returns an
+            ``nn.Module``.
+
+    Raises:
+        UsageError: when the spec does not name a preset or an importable factory.
+    """
+    import torch
+    from torch import nn
+
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        if "" not in sys.path and "." not in sys.path:
+            sys.path.insert(0, "")  # as `python -m` does, so a module in the working directory imports
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"--model {spec}: cannot import {attr!r} from {module_name!r} ({exc}).") from None
+        build: Callable[[], Any] = factory
+    else:
+        try:
+            from zeroshard.demo.model import GPT, PRESETS
+        except ImportError as exc:
+            raise UsageError(f"--model {spec}: the demo model presets are unavailable ({exc}).") from None
+        if spec not in PRESETS:
+            raise UsageError(
+                f"--model {spec}: unknown preset; use one of {', '.join(PRESETS)}, or module:factory."
+            )
+
+        def build() -> Any:
+            return GPT(PRESETS[spec])
+
+    with torch.device("meta"):
+        model = build()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"--model {spec}: the factory returned {type(model).__name__}, not an nn.Module.")
+    return model
+
+
+def _unit_numels(model: Any, config: ZeroshardConfig) -> list[int] | None:
+    """Element counts of the engine's units for this model, if the engine's unit rule is importable."""
+    try:
+        from zeroshard.sharding.units import plan_units
+    except ImportError:
+        return None
+    extras = config.zeroshard
+    specs = plan_units(model, extras.unit_module_classes, extras.unit_min_params)
+    return [sum(p.numel() for p in spec.params) for spec in specs if spec.params]
+
+
+# ---------------------------------------------------------------------------------------------
+# explain
+# ---------------------------------------------------------------------------------------------
+
+
+def _model_report(model: Any, plan: PrecisionPlan) -> dict[str, Any]:
+    groups = assign_param_groups(plan, model)
+    params = dict(model.named_parameters())
+    report: dict[str, Any] = {"num_params": sum(p.numel() for p in params.values()), "groups": {}}
+    for group in plan.groups:
+        names = [name for name, g in groups.items() if g == group]
+        report["groups"][group] = {
+            "num_params": sum(params[n].numel() for n in names),
+            "num_tensors": len(names),
+            "params": names,
+        }
+    return report
+
+
+def explain_data(
+    config_path: str,
+    world_size: int,
+    model_spec: str | None = None,
+    num_params: int | None = None,
+) -> dict[str, Any]:
+    """Everything `zeroshard explain` shows, as a JSON-ready dict.
+
+    Raises:
+        ConfigError: for a bad config; UsageError: for a bad model spec.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # explain lists the no-effect keys itself
+        config = resolve_config(config_path, world_size=world_size)
+    plan = config.precision_plan
+    data: dict[str, Any] = {
+        "config": str(config_path),
+        "world_size": world_size,
+        "zero_stage": config.zero_optimization.stage,
+        "batch": {
+            "train_batch_size": config.train_batch_size,
+            "train_micro_batch_size_per_gpu": config.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+            "derived": list(config.derived_keys),
+        },
+        "optimizer": config.optimizer.type if config.optimizer else None,
+        "placement": _placement(config),
+        "precision": plan.as_dict(),
+        "defaults_applied": list(config.defaults_applied),
+        "no_effect_keys": list(config.no_effect_keys),
+        "parallel": _parallel_layout(config.sequence_parallel_size, world_size),
+        "model": None,
+        "moe": None,
+        "autoep": _autoep_given(config) if config.expert_parallel.enabled else None,
+    }
+    estimate: MemoryEstimate | None = None
+    if model_spec is not None:
+        model = build_model_on_meta(model_spec)
+        if config.expert_parallel.enabled:
+            from zeroshard.moe.autoep.swap import replace_moe_layers
+
+            settings, names = replace_moe_layers(model, config.expert_parallel, world_size)
+            data["autoep"] = {"autoep_size": config.expert_parallel.autoep_size, "layers": names,
+                              "settings": settings.explain_lines()}
+        data["model"] = {"spec": model_spec, **_model_report(model, plan)}
+        counts = {g: info["num_params"] for g, info in data["model"]["groups"].items()}
+        units = _unit_numels(model, config)
+        if units is not None:
+            data["model"]["units"] = {"count": len(units), "largest_numel": max(units, default=0)}
+        from zeroshard.moe.report import moe_report
+
+        data["moe"], expert_counts = moe_report(model, world_size, assign_param_groups(plan, model))
+        for by_group in expert_counts.values():  # experts are estimated over their own groups
+            for group, numel in by_group.items():
+                counts[group] -= numel
+        estimate = estimate_for_config(config, plan, counts, unit_numels=units, expert_counts=expert_counts)
+        if config.optimizer is not None and config.optimizer.type.lower() == "muon":
+            from zeroshard.optim.muon.optimizer import muon_param_plan
+
+            choices = muon_param_plan(model, config.optimizer.params)
+            data["model"]["muon"] = {
+                "muon": [c.name for c in choices if c.use_muon],
+                "adamw": [c.name for c in choices if not c.use_muon],
+                "reasons": {c.name: c.reason for c in choices},
+            }
+    elif num_params is not None:
+        estimate = estimate_for_config(config, plan, num_params)
+    states = optimizer_state_count(
+        config.optimizer.type if config.optimizer else None, config.optimizer.params if config.optimizer else None
+    )
+    per_param = {}
+    for group in plan.groups:
+        replicated, sharded = bytes_per_param(plan, config.zero_optimization.stage, states, group)
+        per_param[group] = {"replicated": replicated, "sharded": sharded}
+    data["memory"] = {
+        "bytes_per_param": per_param,
+        "estimate": estimate.as_dict() if estimate else None,
+    }
+    return data
+
+
+def _autoep_given(config: ZeroshardConfig) -> dict[str, Any]:
+    """AutoEP without a model: the routing keys the config sets; the rest come from the model."""
+    ep = config.expert_parallel
+    keys = ("preset_model", "top_k", "score_func", "route_norm", "route_scale", "routed_scaling_factor",
+            "num_expert_groups", "num_limited_groups", "load_balance_coeff")
+    given = [f"expert_parallel.{k} = {getattr(ep, k)}  (config)" for k in keys
+             if getattr(ep, k) not in (None, "auto")]
+    given.append("the other routing settings: from the model's config at initialize (give --model to see them)")
+    return {"autoep_size": ep.autoep_size, "layers": None, "settings": given}
+
+
+def _placement(config: ZeroshardConfig) -> dict[str, Any]:
+    """Where each role lives (ZeRO-Offload moves some to the host, zeroshard/sharding/offload.py)."""
+    zero = config.zero_optimization
+    host_params = zero.param_offload and zero.stage == 3
+    return {
+        "params": "host (shard; gathered on the device)" if host_params else "device",
+        "gradients": "device (reduced shard copied to the host per bucket)" if zero.optimizer_offload else "device",
+        "master_weights": "host" if zero.optimizer_offload else "device",
+        "optimizer_state": "host" if zero.optimizer_offload else "device",
+        "optimizer_step": "host CPU (fused CPU Adam)" if zero.optimizer_offload else "device",
+        "pin_memory": zero.offload_pin_memory,
+    }
+
+
+def _replicas(data: dict[str, Any]) -> str:
+    parallel = data.get("parallel") or {}
+    if parallel.get("sequence_parallel_size", 1) > 1:
+        sp, dp = parallel["sequence_parallel_size"], parallel["data_parallel_size"]
+        return f"data-parallel {dp} (world {data['world_size']} / sequence {sp})"
+    return f"world {data['world_size']}"
+
+
+def _parallel_layout(sequence_parallel_size: int, world_size: int) -> dict[str, Any]:
+    """The (data, sequence) layout (DESIGN section 9) and its activation-memory effect."""
+    sp = sequence_parallel_size
+    return {
+        "sequence_parallel_size": sp,
+        "data_parallel_size": world_size // sp,
+        "sequence_groups": [list(range(i, i + sp)) for i in range(0, world_size, sp)],
+        "data_groups": [list(range(i, world_size, sp)) for i in range(sp)],
+        "dense_sharded_over": world_size,
+        # Everything per position (embeddings, MLPs, norms, logits) holds 1/P of the sequence;
+        # attention holds the whole sequence for 1/P of the heads: the same fraction.
+        "activation_fraction": 1 / sp,
+    }
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def print_tables(data: dict[str, Any], file: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file)
+    precision = data["precision"]
+    batch = data["batch"]
+    console.print(
+        f"[bold]{data['config']}[/bold]: ZeRO stage {data['zero_stage']}, world size {data['world_size']}, "
+        f"precision mode [bold]{precision['mode']}[/bold]"
+    )
+    derived = f" ({', '.join(batch['derived'])} derived)" if batch["derived"] else ""
+    console.print(
+        f"batch: train_batch_size {batch['train_batch_size']} = micro {batch['train_micro_batch_size_per_gpu']}"
+        f" x accumulation {batch['gradient_accumulation_steps']} x {_replicas(data)}{derived}"
+    )
+
+    table = Table(title="Precision plan (dtype per tensor role and parameter group)")
+    table.add_column("role")
+    groups = precision["groups"]
+    model = data["model"]
+    for group in groups:
+        header = group
+        if model is not None:
+            header += f"\n{model['groups'][group]['num_params']:,} params"
+        table.add_column(header)
+    for key, label in ROLE_ROWS:
+        table.add_row(label, *(str(groups[g][key]) for g in groups))
+    scale = precision["loss_scale"]
+    scale_text = scale["kind"]
+    if scale["kind"] in ("dynamic", "grad_scaler"):
+        scale_text += f" (init {scale['init_scale']:g}, window {scale['window']}, hysteresis {scale['hysteresis']})"
+    elif scale["kind"] == "static":
+        scale_text += f" ({scale['init_scale']:g})"
+    table.add_row("loss scaling", *([scale_text] * len(groups)))
+    console.print(table)
+    keys = precision.get("overflow_keys") or "always with fp16 loss scaling"
+    console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']} ({keys})")
+    console.print(f"floating buffers: {precision.get('buffers', 'own dtype')} (data_types.buffer_dtype)")
+    place = data["placement"]
+    console.print(
+        "where each role lives: " + ", ".join(f"{k} {v}" for k, v in place.items() if k != "pin_memory")
+        + (" (host buffers pinned)" if place["pin_memory"] else "")
+    )
+    for note in precision["notes"]:
+        console.print(f"note: {note}")
+    for choice in precision.get("lossy", []):
+        console.print(f"[bold]LOSSY[/bold]: {choice}", highlight=False)
+
+    if model is not None:
+        console.print(f"\nmodel [bold]{model['spec']}[/bold]: {model['num_params']:,} parameters")
+        for group, info in model["groups"].items():
+            names = info["params"]
+            shown = ", ".join(names[:_NAMES_SHOWN])
+            if len(names) > _NAMES_SHOWN:
+                shown += f", ... ({len(names)} tensors)"
+            console.print(f"  {group}: {info['num_params']:,} ({shown or 'none'})")
+        if "units" in model:
+            console.print(f"  units: {model['units']['count']}, largest {model['units']['largest_numel']:,} elements")
+        if "muon" in model:
+            muon_table = Table(title="Muon: which optimizer each parameter gets")
+            muon_table.add_column("parameter")
+            muon_table.add_column("optimizer")
+            muon_table.add_column("why")
+            for name, reason in model["muon"]["reasons"].items():
+                kind = "Muon" if name in model["muon"]["muon"] else "AdamW"
+                muon_table.add_row(name, kind, reason)
+            console.print(muon_table)
+    moe = data.get("moe")
+    if moe:
+        console.print(f"dense parameters: sharded over ranks {moe['dense_sharded_over']}")
+        for g in moe["expert_groups"]:
+            console.print(
+                f"experts, ep_size {g['ep_size']} ({g['layers']} layer(s), {g['local_experts_per_layer']} of "
+                f"{g['experts_per_layer']} experts per rank): tokens exchanged within {g['expert_parallel_groups']}, "
+                f"expert parameters sharded over {g['expert_data_parallel_groups']}"
+            )
+
+    autoep = data.get("autoep")
+    if autoep:
+        layers = "" if autoep["layers"] is None else f": {len(autoep['layers'])} MoE layer(s) swapped"
+        console.print(f"\nAutoEP (expert_parallel), autoep_size {autoep['autoep_size']}{layers}")
+        for line in autoep["settings"]:
+            console.print(f"  {line}", soft_wrap=True)
+
+    parallel = data.get("parallel")
+    if parallel and parallel["sequence_parallel_size"] > 1:
+        sp, dp = parallel["sequence_parallel_size"], parallel["data_parallel_size"]
+        console.print(
+            f"\nsequence parallelism (Ulysses): {dp} data x {sp} sequence ranks; sequence groups "
+            f"{parallel['sequence_groups']} (consecutive: two all-to-alls per attention layer), data groups "
+            f"{parallel['data_groups']}; dense parameters sharded over all {parallel['dense_sharded_over']} ranks"
+        )
+        console.print(
+            f"  activations per rank: 1/{sp} of a sequence's (each rank holds 1/{sp} of every sequence; attention "
+            f"holds the whole sequence for 1/{sp} of the heads), so a {sp}x longer sequence fits the same memory"
+        )
+
+    memory = data["memory"]
+    estimate = memory["estimate"]
+    if estimate is None:
+        console.print("\nmodel-state bytes per parameter on each rank (P parameters, W ranks):")
+        for group, coeff in memory["bytes_per_param"].items():
+            console.print(f"  {group}: {coeff['replicated']} * P + {coeff['sharded']} * P / W")
+        console.print("  (give --model or --params for a full estimate with buffers)")
+    else:
+        mem = Table(title=f"Per-rank memory estimate ({estimate['num_params']:,} params, W={estimate['world_size']})")
+        mem.add_column("component")
+        mem.add_column("lives on")
+        mem.add_column("bytes", justify="right")
+        placement = estimate["placement"]
+        for key, value in estimate["model_states"].items():
+            mem.add_row(key, placement[key], _human(value))
+        mem.add_row("[bold]model states[/bold]", "", f"[bold]{_human(estimate['model_state_bytes'])}[/bold]")
+        for key, value in estimate["buffers"].items():
+            if value:
+                mem.add_row(f"{key} (bound)", "device", _human(value))
+        pinned = " (pinned)" if estimate["pinned"] else ""
+        for key, value in estimate["host_buffers"].items():
+            mem.add_row(f"{key}{pinned}", "host", _human(value))
+        mem.add_row("[bold]device total[/bold]", "device", f"[bold]{_human(estimate['device_bytes'])}[/bold]")
+        mem.add_row("[bold]host total[/bold]", "host", f"[bold]{_human(estimate['host_bytes'])}[/bold]")
+        console.print(mem)
+        for assumption in estimate["assumptions"]:
+            console.print(f"assumed: {assumption}")
+
+    console.print("\ndefaults applied: " + (", ".join(data["defaults_applied"]) or "none"))
+    console.print("accepted, no effect: " + (", ".join(data["no_effect_keys"]) or "none"))
+
+
+def explain_text(config: Any, world_size: int = 1, model: str | None = None, params: int | None = None) -> str:
+    """`print_tables(explain_data(...))` as a string (no terminal colour codes)."""
+    out = io.StringIO()
+    print_tables(explain_data(config, world_size, model, params), file=out)
+    return out.getvalue()
