@@ -47,12 +47,16 @@ def experts_row(device: torch.device, quick: bool) -> dict:
     script = REPO / "benchmarks" / "moe_experts.py"
     if not script.exists():
         raise Skip("benchmarks/moe_experts.py is not in this checkout")
+    timeout = 90 if not quick else 60
     cmd = [sys.executable, str(script), "--device", device.type] + (["--quick"] if quick else [])
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240 if not quick else 60)
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if result.returncode == 2 and "usage:" in result.stderr:  # its options differ: run its defaults
+        cmd = [sys.executable, str(script)]
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     tail = (result.stdout + result.stderr)[-1500:]
     if result.returncode != 0:
-        return "FAIL", {"rc": result.returncode}, tail
-    return "ok", {"rc": 0, "tail": tail.strip().splitlines()[-5:]}, ""
+        return "FAIL", {"rc": result.returncode, "cmd": " ".join(cmd[1:])}, tail
+    return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": tail.strip().splitlines()[-8:]}, ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         row(f"d/offload s{stage} pinned", lambda s=stage: numerics.offload(s), 90)
     row("e/moe layer vs cpu", lambda: numerics.moe_layer(device), 60)
     row("e/autoep mixtral vs cpu", lambda: numerics.autoep_layer(device), 90)
-    row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 250 if not args.quick else 70)
+    row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 200 if not args.quick else 130)
 
     size = model_bench.BenchSize.for_device(device, args.quick)
     box: dict = {}

@@ -55,7 +55,8 @@ def micro_batch_from_memory(seq: int = 2048, layers: int = 20, width: int = 2048
     with flash attention: about 34 h bytes per token and layer (Korthikanti et al.'s count
     without the attention-score term), 2.85 GB per 2048-token sequence over 20 layers. 75% of
     the device's memory is the budget (the rest: the allocator's fragmentation, logits,
-    workspaces). On an 80 GB H100: (59.7 - 18.2) / 2.85 = 14.
+    dropout masks, workspaces). On an H100 (79.6 GiB = 85.5e9 bytes): (64.1e9 - 18.2e9) /
+    2.85e9 = 16.1, and 16 is the cap.
     """
     total = torch.cuda.get_device_properties(0).total_memory
     per_sequence = 34 * width * seq * layers
