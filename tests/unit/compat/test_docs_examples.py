@@ -99,6 +99,13 @@ def test_every_page_links_an_example_or_holds_a_transcript():
         assert examples or transcripts, f"{page.name}: link an examples/ file or add a console transcript"
 
 
+def test_the_index_lists_every_page():
+    index = _prose(ROOT / "docs" / "README.md")
+    for page in PAGES:
+        if page.parent == ROOT / "docs" and page.name != "README.md":
+            assert f"]({page.name})" in index, f"docs/README.md does not list {page.name}"
+
+
 def test_links_between_pages_resolve():
     for page in PAGES:
         for target in LINK.findall(_prose(page)):
