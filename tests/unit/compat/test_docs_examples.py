@@ -106,6 +106,13 @@ def test_the_index_lists_every_page():
             assert f"]({page.name})" in index, f"docs/README.md does not list {page.name}"
 
 
+def test_readme_layout_names_every_package_folder():
+    layout = next(body for info, body in _blocks(ROOT / "README.md") if body.startswith("zeroshard/"))
+    named = set(re.findall(r"([a-z_]+)/", layout))
+    folders = {p.parent.name for p in (ROOT / "zeroshard").glob("*/__init__.py")}
+    assert folders <= named, f"README.md's package layout lacks {sorted(folders - named)}"
+
+
 def test_links_between_pages_resolve():
     for page in PAGES:
         for target in LINK.findall(_prose(page)):
