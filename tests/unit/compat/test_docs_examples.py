@@ -10,6 +10,7 @@ tests/dist/compat/test_examples.py. Links between pages, anchors included, must 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import runpy
 import shlex
@@ -159,8 +160,10 @@ def run_example(monkeypatch, capsys):
     loaded machine; with no launcher in the environment the example runs as one process."""
 
     def run(name: str, *args: str) -> str:
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            monkeypatch.delenv(var, raising=False)  # one process, even under a launcher
+        for var in list(os.environ):  # one process, even when pytest runs under a launcher
+            if var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") or var.startswith(
+                    ("SLURM_", "OMPI_", "PMI_", "PMIX_")):
+                monkeypatch.delenv(var)
         monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / name), *args])
         capsys.readouterr()
         runpy.run_path(str(ROOT / "examples" / name), run_name="__main__")
