@@ -5,11 +5,11 @@ The sync debug mode itself needs CUDA; these stacks are built by hand."""
 
 from traceback import FrameSummary
 
-from benchmarks.gpu_check.syncs import ALLOWED, _record, classify
+from benchmarks.gpu_check.syncs import ALLOWED, PACKAGE, _record, classify
 
-PKG = "/repo/zeroshard/"
-STEP = [FrameSummary("/repo/tests/x.py", 1, "run_steps"), FrameSummary(PKG + "engine/engine.py", 441, "step"),
-        FrameSummary(PKG + "step/optimizer_step.py", 139, "run")]
+PKG = PACKAGE  # the installed package's directory, with its trailing separator
+STEP = [FrameSummary(PKG.rsplit("zeroshard", 1)[0] + "tests/x.py", 1, "run_steps"),
+        FrameSummary(PKG + "engine/engine.py", 441, "step"), FrameSummary(PKG + "step/optimizer_step.py", 139, "run")]
 
 
 def frame(path: str, line: int, name: str) -> FrameSummary:
@@ -35,6 +35,12 @@ def test_a_sync_elsewhere_fails_even_when_called_from_an_allowed_function():
     problems, places = classify(seen, steps=2)
     assert problems == ["step/optimizer_step.py:139 run <- engine/engine.py:441 step"]
     assert places == []
+
+
+def test_a_checkout_named_zeroshard_does_not_make_its_tests_package_frames():
+    stack = [FrameSummary("/home/me/zeroshard/tests/dist/scenarios/common.py", 5, "train"),
+             FrameSummary("/home/me/zeroshard/benchmarks/gpu_check/syncs.py", 9, "run_steps")]
+    assert _record(stack, "called a synchronizing CUDA operation")["place"] == "(no zeroshard frame)"
 
 
 def test_a_sync_with_no_zeroshard_frame_keeps_its_stack_and_thread():
