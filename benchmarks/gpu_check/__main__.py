@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in conformance.MODES:
             row(f"a/conformance s{stage} {mode}", lambda s=stage, m=mode: conformance.conformance(s, m), 60)
     for mode in conformance.MODES:  # informational: the two devices' kernels, no engine
-        row(f"a/reference {mode} device vs cpu", lambda m=mode: conformance.reference_device_vs_cpu(m, device), 60)
+        row(f"a/reference-vs-cpu {mode}", lambda m=mode: conformance.reference_device_vs_cpu(m, device), 60)
     if on_gpu:
         syncs.print_allow_list()
     for stage in conformance.STAGES:

@@ -28,7 +28,7 @@ def test_gpu_check_runs_on_cpu(tmp_path):
         assert any(n.startswith(prefix) for n in names), f"no row {prefix!r} in {names}"
     assert sum(n.startswith("a/conformance") for n in names) == 16
     # The reference on the device against the CPU (here CPU against CPU: the same kernels, zero).
-    device_vs_cpu = [r for r in rows if r["name"].startswith("a/reference") and r["name"].endswith("device vs cpu")]
+    device_vs_cpu = [r for r in rows if r["name"].startswith("a/reference-vs-cpu ")]
     assert len(device_vs_cpu) == 4 and all(r["numbers"]["loss0_rel"] == 0.0 for r in device_vs_cpu)
     bad = [(r["name"], r["status"], r["detail"][-500:]) for r in rows
            if r["status"] != "ok" and not (r["status"] == "skip" and r["name"].startswith(MAY_SKIP))]
