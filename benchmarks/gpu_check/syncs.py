@@ -9,6 +9,7 @@ its thread, so the next run says where it is.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import traceback
@@ -99,7 +100,8 @@ def classify(seen: list[dict[str, Any]], steps: int) -> tuple[list[str], list[st
         if s["allowed"] is None:
             where = s["place"]
             if "stack" in s:
-                where += f" [thread {s['thread']}; stack: " + " <- ".join(reversed(s["stack"])) + "]"
+                during = ", during a garbage collection" if s.get("during_gc") else ""
+                where += f" [thread {s['thread']}{during}; stack: " + " <- ".join(reversed(s["stack"])) + "]"
             problems.append(where)
     for entry in ALLOWED:
         used = sum(s["allowed"] == entry.function for s in seen)
@@ -137,13 +139,20 @@ def steady_state_syncs(stage: int, mode: str = "bf16", warmup: int = 2, steps: i
         run_steps(engine, batches[:warmup])
         torch.cuda.synchronize()
         shown = warnings.showwarning
+        # Whether the garbage collector is running when a sync is seen: a finalizer runs on
+        # whatever stack the collection interrupted, which then names the wrong code.
+        collecting = [False]
+
+        def on_gc(phase, info):
+            collecting[0] = phase == "start"
 
         def record(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" in str(message):
-                seen.append(_record(traceback.extract_stack()[:-1], str(message)))
+                seen.append({**_record(traceback.extract_stack()[:-1], str(message)), "during_gc": collecting[0]})
             else:
                 shown(message, category, filename, lineno, file, line)
 
+        gc.callbacks.append(on_gc)
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
@@ -152,6 +161,7 @@ def steady_state_syncs(stage: int, mode: str = "bf16", warmup: int = 2, steps: i
                 run_steps(engine, batches[warmup:])
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+                gc.callbacks.remove(on_gc)
             torch.cuda.synchronize()
     finally:
         engine.destroy()
