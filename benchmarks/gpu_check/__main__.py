@@ -87,13 +87,17 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return report.run(name, check, budget)
 
-    from benchmarks.gpu_check import conformance, model_bench, numerics
+    from benchmarks.gpu_check import conformance, model_bench, numerics, syncs
 
     for stage in conformance.STAGES:
         for mode in conformance.MODES:
             row(f"a/conformance s{stage} {mode}", lambda s=stage, m=mode: conformance.conformance(s, m), 60)
+    for mode in conformance.MODES:  # informational: the two devices' kernels, no engine
+        row(f"a/reference-vs-cpu {mode}", lambda m=mode: conformance.reference_device_vs_cpu(m, device), 60)
+    if on_gpu:
+        syncs.print_allow_list()
     for stage in conformance.STAGES:
-        row(f"b/sync-debug s{stage} bf16", lambda s=stage: conformance.steady_state_syncs(s), 60)
+        row(f"b/sync-debug s{stage} bf16", lambda s=stage: syncs.steady_state_syncs(s), 60)
     row("c/newton-schulz fp16 gram", lambda: numerics.newton_schulz(device, big=on_gpu), 60)
     for stage in (2, 3):
         row(f"d/offload s{stage} pinned", lambda s=stage: numerics.offload(s), 90)

@@ -11,11 +11,21 @@ sequence 64. Every engine trains the same model from the same seed with AdamW an
 - zeroshard sN: the DeepSpeed-format config with bf16 enabled (bf16 parameters, fp32 masters).
 
 MFU counts 6 N + 12 L h s FLOPs per token (PaLM's formula: N the parameters that multiply, i.e.
-without the position embedding; the attention term counts the full, not the causal, square).
+without the position embedding; the attention term counts the full, not the causal, square). N is
+counted on the model as built, before any engine wraps it: stage 3 (and FSDP2) leave parameters
+freed or partitioned, and the first run's stage-3 row counted 7x too few FLOPs that way.
+
+Memory, per row (GiB, `torch.cuda.memory_allocated`): `built_gb` once the engine is built (model
+states before the optimizer creates its state), `states_gb` after the first optimizer step (every
+model state: parameters, masters, optimizer state, gradient buffers kept across steps),
+`peak_fwd_bwd_gb` the peak during forward and backward, `peak_update_gb` during the optimizer step
+(clipping, the step, publishing), both over the timed steps; `peak_alloc_gb` is the larger.
+docs/benchmarks.md accounts for zeroshard's bytes against FSDP2's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -105,20 +115,26 @@ def _build(size: BenchSize, device: torch.device) -> GPT:
 
 
 class _Plain:
+    """Each runner: `backward(x, y)` (forward and backward; the loss) then `update()` (clipping,
+    the optimizer step); `flops_token` counted on the model before wrapping."""
+
     def __init__(self, size: BenchSize, device: torch.device) -> None:
         self.device = device
         self.model = _build(size, device)
+        self.flops_token = flops_per_token(self.model, size.seq)
         fused = {"fused": True} if device.type == "cuda" else {}
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW, **fused)
 
-    def step(self, x, y) -> torch.Tensor:
+    def backward(self, x, y) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             _, loss = self.model(x, y)
         loss.backward()
+        return loss.detach()
+
+    def update(self) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
 
 
 class _FSDP2(_Plain):
@@ -128,6 +144,7 @@ class _FSDP2(_Plain):
 
         self.device = device
         self.model = _build(size, device)
+        self.flops_token = flops_per_token(self.model, size.seq)
         mesh = init_device_mesh(device.type, (1,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in self.model.blocks:
@@ -136,12 +153,9 @@ class _FSDP2(_Plain):
         # DTensor parameters: torch's default (foreach) AdamW, as benchmarks/peers_engines.py.
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
 
-    def step(self, x, y) -> torch.Tensor:
+    def backward(self, x, y) -> torch.Tensor:
         _, loss = self.model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
 
@@ -151,6 +165,7 @@ class _Zeroshard:
 
         self.device = device
         model = _build(size, device)
+        self.flops_token = flops_per_token(model, size.seq)  # before stage 3 partitions it
         config = {
             "train_micro_batch_size_per_gpu": size.micro,
             "gradient_accumulation_steps": 1,
@@ -162,11 +177,13 @@ class _Zeroshard:
         }
         self.engine, _, _, _ = zeroshard.initialize(model=model, config=config)
 
-    def step(self, x, y) -> torch.Tensor:
+    def backward(self, x, y) -> torch.Tensor:
         _, loss = self.engine(x, y)
         self.engine.backward(loss)
-        self.engine.step()
         return loss.detach()
+
+    def update(self) -> None:
+        self.engine.step()
 
     def close(self) -> None:
         self.engine.destroy()
@@ -180,30 +197,66 @@ def _make(engine: str, size: BenchSize, device: torch.device):
     return _Zeroshard(size, device, int(engine.rsplit("s", 1)[1]))
 
 
+class _Memory:
+    """Allocated bytes at the points the module docstring names (CUDA only; nothing elsewhere)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.numbers: dict[str, float] = {}
+
+    def now(self, key: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.numbers[key] = torch.cuda.memory_allocated() / 2**30
+
+    @contextlib.contextmanager
+    def peak(self, key: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.numbers[key] = torch.cuda.max_memory_allocated() / 2**30
+
+
 def _measure(engine: str, size: BenchSize, device: torch.device) -> dict[str, Any]:
+    memory = _Memory(device)
     runner = _make(engine, size, device)
     try:
+        memory.now("built_gb")
         gen = torch.Generator().manual_seed(1)
         x = torch.randint(0, 256, (size.micro, size.seq), generator=gen).to(device)
         y = torch.randint(0, 256, (size.micro, size.seq), generator=gen).to(device)
-        losses = [float(runner.step(x, y)) for _ in range(size.warmup)]
+        losses = []
+        for i in range(size.warmup):
+            losses.append(float(runner.backward(x, y)))
+            runner.update()
+            if i == 0:
+                memory.now("states_gb")
+        # One untimed step split in its two phases (each phase's peak needs a synchronisation
+        # on both sides, which the timed steps should not pay).
+        with memory.peak("peak_fwd_bwd_gb"):
+            losses.append(float(runner.backward(x, y)))
+        with memory.peak("peak_update_gb"):
+            runner.update()
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(size.steps):
             start = time.perf_counter()
-            loss = runner.step(x, y)
+            loss = runner.backward(x, y)
+            runner.update()
             _sync(device)
             times.append(time.perf_counter() - start)
             losses.append(float(loss))
-        model = runner.model if hasattr(runner, "model") else runner.engine.module
         out = {"micro": size.micro, "step_s": statistics.median(times),
-               "flops_token": flops_per_token(model, size.seq), "loss_first": losses[0], "loss_last": losses[-1]}
+               "flops_token": runner.flops_token, "loss_first": losses[0], "loss_last": losses[-1]}
         if device.type == "cuda":
             out["peak_alloc_gb"] = torch.cuda.max_memory_allocated() / 2**30
             out["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
-        return out
+        return {**out, **memory.numbers}
     finally:
         if hasattr(runner, "close"):
             runner.close()
@@ -229,7 +282,7 @@ def bench_engine(engine: str, size: BenchSize, device: torch.device, matmul: flo
         micro = max(1, micro * 2 // 3)
     assert out is not None
     tokens_s = out["micro"] * size.seq / out["step_s"]
-    achieved = tokens_s * out.pop("flops_token") / 1e12
+    achieved = tokens_s * out["flops_token"] / 1e12
     out["tokens_s"] = tokens_s
     out["tflops"] = achieved
     if device.type == "cuda":
