@@ -98,7 +98,7 @@ class MoE(nn.Module):
     @property
     def ep_rank(self) -> int:
         """This rank's index in its expert-parallel group (its experts' block of global ids)."""
-        return comm.rank() % self.ep_size
+        return current_layout().expert_parallel_rank(self.ep_size)
 
     def global_expert_index(self, local_index: int) -> int:
         return self.ep_rank * self.num_local_experts + local_index

@@ -233,6 +233,11 @@ class ParallelLayout:
             self.expert_data_parallel[name] = edp
         return self.expert_parallel[name], self.expert_data_parallel[name]
 
+    def expert_parallel_rank(self, ep_size: int) -> int:
+        """This rank's index in its expert-parallel group for `ep_size` (which block of experts it
+        holds), known without building the groups: EP groups are consecutive blocks."""
+        return self.world.ranks[self.world.rank] % ep_size
+
     def expert_parallel_view(self) -> MappingProxyType:
         return MappingProxyType(self.expert_parallel)
 
