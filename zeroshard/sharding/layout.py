@@ -15,9 +15,12 @@ forgetting every group of the old one (torch destroyed them).
 
 Groups are built once and kept: every split (hybrid shard/replica pairs by size, expert
 groups by ep_size) is cached, so a second engine with the same config creates no new
-process group. Re-cutting the dense dimension (an engine with another shard_group_size)
-changes `dense` for later readers; the flats of an engine already built keep the specs they
-were built with.
+process group. Each `initialize` re-cuts the dense and sequence dimensions for its config:
+the flats of an engine already built keep the specs they were built with, but its
+`seq_parallel_group` / `data_parallel_group` read the layout's current ones, so two engines
+alive at once must agree on sequence parallelism. (With offload the engine holds a copy
+naming host placement, zeroshard/sharding/offload.py `place_layout`; the copy shares every
+group table with the one layout.)
 
 Dimensions (world W; every split is `partition`: consecutive blocks and the strided groups
 at the same position in every block, collectively created by every rank in the same order):
