@@ -53,7 +53,7 @@ def initialize(
     from zeroshard.config.resolve import resolve_config
     from zeroshard.config.schema import requested_collective_timeout_s
     from zeroshard.engine.engine import Engine
-    from zeroshard.sharding.layout import ParallelLayout
+    from zeroshard.sharding.layout import establish
 
     if model is None:
         raise ValueError("initialize: model= is required.")
@@ -76,10 +76,10 @@ def initialize(
         init_distributed(timeout=requested_collective_timeout_s(raw))
     mpu_sp = None if mpu is None else mpu.get_sequence_parallel_world_size()
     cfg = resolve_config(raw, world_size=collectives.world_size(), sequence_parallel_size=mpu_sp)
-    sequence_parallel = _sequence_parallel_groups(mpu, cfg.sequence_parallel_size)
-    layout = ParallelLayout.build(cfg.zeroshard.shard_group_size, cfg.zeroshard.collective_timeout_s)
-    if sequence_parallel is not None:
-        layout = layout.with_sequence_parallel(*sequence_parallel)
+    # The process's one layout (zeroshard/sharding/layout.py), perhaps created already by an MoE
+    # layer or parallel_state_sp: cut for this config, then handed to everything below.
+    layout = establish(cfg.zeroshard.shard_group_size, cfg.zeroshard.collective_timeout_s)
+    layout.set_sequence_parallel(*(_sequence_parallel_groups(mpu, cfg.sequence_parallel_size) or (None, None)))
     engine = Engine(
         model, cfg, cfg.precision_plan, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,

@@ -25,6 +25,7 @@ from zeroshard.demo.data import DEFAULT_MAX_BYTES, ByteWindows, build_datasets, 
 from zeroshard.demo.model import PRESETS, build_gpt
 from zeroshard.demo.plot import read_metrics, write_loss_plot
 from zeroshard.demo.progress import ProgressReporter
+from zeroshard.sharding.layout import current_layout
 
 DEFAULT_STEPS = 300
 DEFAULT_MODEL = "small"
@@ -115,7 +116,7 @@ def check_run_dir(run_dir: Path, model: str) -> None:
 def all_ranks_mean(value: torch.Tensor) -> float:
     """Mean of a scalar over all ranks."""
     value = value.detach().float().clone()
-    world = comm.world_group()
+    world = current_layout().world
     comm.all_reduce(value, group=world, tag="demo")
     return value.item() / world.size
 

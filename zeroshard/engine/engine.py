@@ -37,9 +37,8 @@ from zeroshard.optim.muon import optimizer as muon
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
-from zeroshard.sharding import groups
 from zeroshard.sharding.flat import FlatParamGroup
-from zeroshard.sharding.layout import ParallelLayout
+from zeroshard.sharding.layout import ParallelLayout, establish
 from zeroshard.sharding.leaf_modules import apply_leaf_module_config
 from zeroshard.sharding.offload import OffloadPlan, build_host_optimizer, place_layout
 from zeroshard.sharding.registry import ParamRegistry
@@ -104,7 +103,7 @@ class Engine(EngineAPI):
         self.config = config
         self.precision_plan = plan
         self.policy = stage_policy(config.zero_optimization.stage)
-        layout = layout if layout is not None else ParallelLayout.build(
+        layout = layout if layout is not None else establish(
             config.zeroshard.shard_group_size, config.zeroshard.collective_timeout_s
         )
         self.offload = OffloadPlan.from_config(config.zero_optimization)
@@ -146,11 +145,11 @@ class Engine(EngineAPI):
 
             self._load_balancer = LoadBalancer(
                 [layer for _, layer in autoep_layers(model)], config.expert_parallel.load_balance_coeff,
-                comm.world_group(),
+                self.layout.world,
             )
         # MoE layers get their expert-parallel groups (collective, the same order everywhere)
         # before any flat is built: expert flats are sharded over those groups.
-        self.expert_group_names = attach_expert_groups(model)
+        self.expert_group_names = attach_expert_groups(model, self.layout)
         if optimizer is None and model_parameters is None and self.expert_group_names:
             # The optimizer comes from the config: keep expert parameters in groups of their
             # own, as DeepSpeed asks users to (split_params_into_different_moe_groups_for_optimizer).
@@ -281,7 +280,7 @@ class Engine(EngineAPI):
         """Expert flats: over their expert-data-parallel group; dense flats: the layout's."""
         if expert_group is None:
             return self.layout.dense
-        return self.layout.expert(groups._get_expert_data_parallel_group(expert_group))
+        return self.layout.expert(expert_group)
 
     def _make_optimizer(self, optimizer, hyper, masters_by_group):
         groups = [dict(h, params=m) for h, m in zip(hyper, masters_by_group, strict=True)]
