@@ -49,7 +49,6 @@ from zeroshard.config.sections import (
     SchedulerConfig,
     TorchAutocastConfig,
     ZeroConfig,
-    _did_you_mean,
     _disabled_section,
     _empty,
     _equals,
@@ -62,6 +61,7 @@ from zeroshard.config.sections import (
     _validate_dtype_name,
     canonical_dtype_name,
 )
+from zeroshard.config.suggest import did_you_mean
 
 __all__ = [
     "BF16Config",
@@ -332,7 +332,7 @@ def _walk(section: type[_Section], raw: dict[str, Any], path: str, report: _Repo
                     f"{unsupported.hint}"
                 )
         else:
-            report.problems.append(f"{key_path}: unknown key." + _did_you_mean(key, section.json_keys()))
+            report.problems.append(f"{key_path}: unknown key." + did_you_mean(key, section.json_keys()))
     return cleaned
 
 

@@ -8,7 +8,6 @@ read as a number or a boolean. ``zeroshard.config.schema`` walks a raw config th
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -34,6 +33,7 @@ from zeroshard.config.base import (  # noqa: F401 - re-exported: schema.py and e
 from zeroshard.config.optimizer_params import NO_EFFECT as OPTIMIZER_NO_EFFECT
 from zeroshard.config.optimizer_params import OPTIMIZER_PARAMS
 from zeroshard.config.optimizer_params import render_problems as optimizer_param_problems
+from zeroshard.config.suggest import did_you_mean
 from zeroshard.optim import schedulers
 
 # ---------------------------------------------------------------------------------------------
@@ -52,11 +52,6 @@ _UNSUPPORTED_OPTIMIZERS = {
     "muadamw": "MuAdamW",
     "musgd": "MuSGD",
 }
-def _did_you_mean(key: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else f" Known keys here: {', '.join(sorted(candidates))}."
-
-
 class OptimizerConfig(_Section):
     """``optimizer``: the optimizer the engine builds when the user passes none.
 
@@ -83,7 +78,7 @@ class OptimizerConfig(_Section):
                 f"Use one of {', '.join(_SUPPORTED_OPTIMIZERS.values())}"
             )
         raise ValueError(
-            "unknown optimizer type." + _did_you_mean(value, list(_SUPPORTED_OPTIMIZERS.values()))
+            "unknown optimizer type." + did_you_mean(value, _SUPPORTED_OPTIMIZERS.values())
         )
 
     @classmethod
@@ -124,7 +119,7 @@ class SchedulerConfig(_Section):
                 "recognised DeepSpeed scheduler, not supported by zeroshard. "
                 f"Use one of {', '.join(schedulers.SCHEDULERS)}"
             )
-        raise ValueError("unknown scheduler type." + _did_you_mean(value, list(schedulers.SCHEDULERS)))
+        raise ValueError("unknown scheduler type." + did_you_mean(value, schedulers.SCHEDULERS))
 
     @classmethod
     def check_extra(cls, raw: dict[str, Any], path: str, report: _Report) -> None:
@@ -135,10 +130,7 @@ class SchedulerConfig(_Section):
             return
         for kind, key, value, rule in schedulers.param_problems(name, params):  # type: ignore[arg-type]
             if kind == "unknown":
-                close = difflib.get_close_matches(key, list(schedulers.accepted_params(name)), n=1, cutoff=0.6)  # type: ignore[arg-type]
-                hint = f" Did you mean '{close[0]}'?" if close else (
-                    f" Known keys here: {', '.join(sorted(schedulers.accepted_params(name)))}."  # type: ignore[arg-type]
-                )
+                hint = did_you_mean(key, schedulers.accepted_params(name))  # type: ignore[arg-type]
                 report.problems.append(f"{path}.params.{key}: unknown parameter of {name}.{hint}")
             elif kind == "missing":
                 report.problems.append(f"{path}.params.{key}: {rule}")
