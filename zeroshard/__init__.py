@@ -10,9 +10,9 @@ from typing import Any
 
 from zeroshard import comm
 from zeroshard.comm import collectives
+from zeroshard.comm.deepspeed_api import init_distributed  # DeepSpeed's: deepspeed.init_distributed is deepspeed.comm's
 from zeroshard.config.error import DeepSpeedConfigError
 from zeroshard.launch.arguments import add_config_arguments
-from zeroshard.launch.distributed import init_distributed
 
 __version__ = "0.1.0"
 

@@ -108,3 +108,27 @@ def test_local_rank_from_the_launcher(monkeypatch) -> None:
     assert ds_comm.get_local_rank() == 3
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert ds_comm.get_local_rank() == 2
+
+
+def test_init_distributed_with_an_explicit_rendezvous(tmp_path) -> None:
+    # In a fresh interpreter: the group it creates must not outlive the test, and it must be
+    # freed at exit without the gloo abort ([Note: process-group lifetime]).
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import zeroshard.comm as dist
+        dist.init_distributed("gloo", init_method="file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
+                              timeout=30)
+        import torch.distributed as td
+        assert dist.is_initialized() and td.get_world_size() == 1 and dist.get_rank() == 0
+        print("ok", td.get_backend())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok", "gloo"]
+
+
+def test_deepspeed_init_distributed_is_the_comm_one() -> None:
+    assert zeroshard.init_distributed is zeroshard.comm.init_distributed  # as deepspeed.init_distributed
