@@ -10,9 +10,9 @@ from typing import Any
 
 from zeroshard import comm
 from zeroshard.comm import collectives
+from zeroshard.comm.deepspeed_api import init_distributed  # DeepSpeed's: deepspeed.init_distributed is deepspeed.comm's
 from zeroshard.config.error import DeepSpeedConfigError
 from zeroshard.launch.arguments import add_config_arguments
-from zeroshard.launch.distributed import init_distributed
 
 __version__ = "0.1.0"
 
@@ -115,9 +115,9 @@ def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[collectives.Group, c
 
 def __getattr__(name: str):
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"):
-        from zeroshard.sharding import full_tensors
+        from zeroshard.sharding import tensor_fragment  # the functions zeroshard.utils exports
 
-        return getattr(full_tensors, name)
+        return getattr(tensor_fragment, name)
     if name == "zero":
         import importlib
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import zeroshard
 from zeroshard.comm import collectives as comm
-from zeroshard.config.schema import load_config
+from zeroshard.config.resolve import resolve_config
 from zeroshard.demo.data import DEFAULT_MAX_BYTES, ByteWindows, build_datasets, stdlib_root
 from zeroshard.demo.model import PRESETS, build_gpt
 from zeroshard.demo.plot import read_metrics, write_loss_plot
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         * world_size
         * model.config.block_size
     )
-    resolved = load_config(config, world_size=world_size)
+    resolved = resolve_config(config, world_size=world_size)
     progress = ProgressReporter(start_step, args.steps, enabled=rank == 0, print_every=resolved.steps_per_print)
     progress.print(
         f"[bold]zeroshard demo[/]: model '{args.model}' ({model.num_params() / 1e6:.2f}M params), "
