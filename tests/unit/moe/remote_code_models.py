@@ -7,6 +7,8 @@ their forward written here from the models' published routing (no hub, no transf
   the bias added for the choice only, groups scored by their two best experts, the unbiased
   scores of the chosen experts renormalised and scaled; a dense first layer and a shared
   expert.
+* `stacked_deepseek_v3()`: the same with each block's experts stacked under those names
+  (`experts.gate_proj` [E, ffn, H], ...), a layout between the two;
 * `modulelist_mixtral()`: transformers 4's Mixtral: `block_sparse_moe.experts` would be the
   name there; here the block is `mlp` (AutoEP's default pattern) with a Linear router `gate`
   and experts with `w1` (gate), `w3` (up), `w2` (down); softmax, top-k, renormalised.
@@ -133,6 +135,25 @@ class MixtralV4MoE(nn.Module):
         return _per_token(tokens, self.experts, index, weight).view(hidden.shape)
 
 
+class StackedExperts(nn.Module):
+    """Every expert's weights stacked, under the per-expert names: `gate_proj` / `up_proj`
+    [E, ffn, H], `down_proj` [E, H, ffn]. `experts[e]` is expert e's function."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.stack([e.gate_proj.weight.detach() for e in experts]))
+        self.up_proj = nn.Parameter(torch.stack([e.up_proj.weight.detach() for e in experts]))
+        self.down_proj = nn.Parameter(torch.stack([e.down_proj.weight.detach() for e in experts]))
+        self.act_fn = nn.SiLU()
+
+    def __getitem__(self, e: int):
+        def expert(x: torch.Tensor) -> torch.Tensor:
+            hidden = self.act_fn(F.linear(x, self.gate_proj[e])) * F.linear(x, self.up_proj[e])
+            return F.linear(hidden, self.down_proj[e])
+
+        return expert
+
+
 def _per_token(tokens: torch.Tensor, experts: nn.ModuleList, index: torch.Tensor, weight: torch.Tensor):
     rows = []
     for t in range(tokens.shape[0]):
@@ -203,3 +224,12 @@ def remote_deepseek_v3(seed: int = 0) -> CausalLM:
 def modulelist_mixtral(seed: int = 0) -> CausalLM:
     config = MixtralV4Config()
     return _init(CausalLM(config, [Layer(MixtralV4MoE(config)) for _ in range(config.num_hidden_layers)]), seed)
+
+
+def stacked_deepseek_v3(seed: int = 0) -> CausalLM:
+    """`remote_deepseek_v3(seed)` with each block's experts stacked (`StackedExperts`)."""
+    model = remote_deepseek_v3(seed)
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, RemoteDeepseekMoE):
+            layer.mlp.experts = StackedExperts(layer.mlp.experts)
+    return model

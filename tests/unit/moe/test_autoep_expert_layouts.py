@@ -17,12 +17,21 @@ import copy
 import pytest
 import torch
 
-from tests.unit.moe.remote_code_models import modulelist_mixtral, remote_deepseek_v3
+from tests.unit.moe.remote_code_models import modulelist_mixtral, remote_deepseek_v3, stacked_deepseek_v3
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.moe.autoep.export import hf_layouts, to_hf_state_dict
 from zeroshard.moe.autoep.swap import autoep_layers, replace_moe_layers
 
-FACTORIES = {"remote_deepseek_v3": remote_deepseek_v3, "modulelist_mixtral": modulelist_mixtral}
+FACTORIES = {
+    "remote_deepseek_v3": remote_deepseek_v3, "modulelist_mixtral": modulelist_mixtral,
+    "stacked_deepseek_v3": stacked_deepseek_v3,
+}
+# The names and whether the experts are one module each, as detected.
+LAYOUTS = {
+    "remote_deepseek_v3": ("gate_proj", "down_proj", "up_proj", True),
+    "modulelist_mixtral": ("w1", "w2", "w3", True),
+    "stacked_deepseek_v3": ("gate_proj", "down_proj", "up_proj", False),
+}
 # float64 weights and activations on both sides, routing in fp32 on both (as the models do it):
 # the same routing weights, and expert matmuls that differ only in float64 rounding (stacked
 # slices against Linear modules, another summation order), ~1e-16 relative on O(1) logits.
@@ -47,8 +56,7 @@ def test_default_keys_detect_the_layout_and_the_forward_is_unchanged(kind) -> No
     assert [name for name, _ in layers] == [n for n, m in model.named_modules() if n.endswith(".mlp")
                                              and hasattr(m, "experts")]
     preset = layers[0][1].settings.preset
-    names = {"remote_deepseek_v3": ("gate_proj", "down_proj", "up_proj"), "modulelist_mixtral": ("w1", "w2", "w3")}
-    assert (preset.expert_w1, preset.expert_w2, preset.expert_w3, preset.expert_modules) == (*names[kind], True)
+    assert (preset.expert_w1, preset.expert_w2, preset.expert_w3, preset.expert_modules) == LAYOUTS[kind]
     with torch.no_grad():
         for seed in range(3):
             torch.testing.assert_close(swapped(tokens(seed)), model(tokens(seed)), **FLOAT64)
