@@ -27,7 +27,7 @@ WORLD, TIMEOUT_S = 2, 600
 STAGES = (2, 3)
 # fp32 on both sides with the same routing; the expert matmuls and the gradient sums run in
 # another order (stacked slices over both ranks' tokens against per-token Linear calls), a few
-# ulp of O(1) values; SGD keeps that difference linear over 2 steps.
+# ulp of O(1) values; SGD keeps that difference linear over 2 steps (largest gap observed: 6e-8).
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
 
 
