@@ -26,16 +26,14 @@ def gather_shapes(shapes: Sequence[Sequence[int]], group: comm.Group, device: to
 
     One all-gather of len(shapes) x (1 + MAX_DIMS) integers and one host read.
     """
-    slots = 1 + MAX_DIMS
-    mine = torch.zeros(len(shapes), slots, dtype=torch.int64)
-    for i, shape in enumerate(shapes):
-        if len(shape) > MAX_DIMS:  # a property of the model's code, the same on every rank
-            raise ValueError(f"a tensor of {len(shape)} dims: sequence parallelism handles at most {MAX_DIMS}.")
-        mine[i, 0] = len(shape)
-        mine[i, 1 : 1 + len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
     if group.size == 1:
         return [[tuple(s) for s in shapes]]
-    mine = mine.to(device)
+    flat: list[int] = []
+    for shape in shapes:
+        if len(shape) > MAX_DIMS:  # a property of the model's code, the same on every rank
+            raise ValueError(f"a tensor of {len(shape)} dims: sequence parallelism handles at most {MAX_DIMS}.")
+        flat += [len(shape), *shape, *[0] * (MAX_DIMS - len(shape))]
+    mine = torch.tensor(flat, dtype=torch.int64, device=device).view(len(shapes), 1 + MAX_DIMS)
     everyone = mine.new_empty((group.size, *mine.shape))
     comm.all_gather(everyone, mine, group=group, tag="sequence_shapes")
     rows = everyone.tolist()
