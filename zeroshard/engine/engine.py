@@ -153,17 +153,15 @@ class Engine(EngineAPI):
         reduction); `scale_wrt_gas=False` leaves this one's undivided, as DeepSpeed's argument
         does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
         """
-        accumulation = self.config.gradient_accumulation_steps
+        steps = self.config.gradient_accumulation_steps
         faults.where.step = self.global_steps
         before = self.accumulation.backward_count
-        (loss if scale_wrt_gas or accumulation == 1 else loss * accumulation).backward(
-            retain_graph=retain_graph, **kwargs
-        )
+        (loss if scale_wrt_gas or steps == 1 else loss * steps).backward(retain_graph=retain_graph, **kwargs)
         if self.accumulation.backward_count == before:
             # Nothing in the model took part (no hook fired): still run the epilogue, so this
             # rank issues the same collectives as ranks whose loss did reach the model.
             self._grads.run_epilogue()
-        return loss / accumulation if scale_wrt_gas else loss
+        return loss / steps if scale_wrt_gas else loss
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward calls inside keep their gradients local (no communication)."""
