@@ -4,7 +4,7 @@
     python benchmarks/collectives.py --world-size 4 --sizes 200000,2400000 --json out.json
 
 1. Reduce-scatter against all-reduce of the same buffer (and all-gather of it): on gloo the
-   all-reduce was faster, so `zeroshard.comm.reduce_scatter` runs as an all-reduce there.
+   all-reduce was faster, so `zeroshard.comm.collectives.reduce_scatter` runs as an all-reduce there.
 2. One collective over a whole buffer against the same buffer cut into `--pieces` collectives
    (issued asynchronously, then waited for): the per-collective fixed cost that made
    zeroshard fill its gradient buckets across units (zeroshard/grads/reduce.py).

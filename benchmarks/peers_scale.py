@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 
-from zeroshard.config.schema import load_config  # noqa: E402
+from zeroshard.config.resolve import resolve_config  # noqa: E402
 from zeroshard.demo.model import build_gpt  # noqa: E402
 from zeroshard.precision.plan import assign_param_groups, resolve_precision_plan  # noqa: E402
 from zeroshard.sharding.units import plan_units  # noqa: E402
@@ -107,7 +107,7 @@ def project(config: dict[str, Any]) -> list[dict[str, Any]]:
             cfg_raw = json.loads(json.dumps(config))
             cfg_raw.setdefault("zero_optimization", {})["stage"] = stage
             for world in WORLD_SIZES:
-                cfg = load_config(cfg_raw, world_size=world)
+                cfg = resolve_config(cfg_raw, world_size=world)
                 plan = resolve_precision_plan(cfg)
                 counts, units = _model_facts(model_name, plan)
                 est = estimate_for_config(cfg, plan, counts, world_size=world, unit_numels=units)

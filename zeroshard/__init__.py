@@ -10,9 +10,9 @@ from typing import Any
 
 from zeroshard import comm
 from zeroshard.comm import collectives
+from zeroshard.comm.deepspeed_api import init_distributed  # DeepSpeed's: deepspeed.init_distributed is deepspeed.comm's
 from zeroshard.config.error import DeepSpeedConfigError
 from zeroshard.launch.arguments import add_config_arguments
-from zeroshard.launch.distributed import init_distributed
 
 __version__ = "0.1.0"
 
@@ -53,7 +53,7 @@ def initialize(
     from zeroshard.config.resolve import resolve_config
     from zeroshard.config.schema import requested_collective_timeout_s
     from zeroshard.engine.engine import Engine
-    from zeroshard.sharding.layout import ParallelLayout
+    from zeroshard.sharding.layout import establish
 
     if model is None:
         raise ValueError("initialize: model= is required.")
@@ -76,10 +76,10 @@ def initialize(
         init_distributed(timeout=requested_collective_timeout_s(raw))
     mpu_sp = None if mpu is None else mpu.get_sequence_parallel_world_size()
     cfg = resolve_config(raw, world_size=collectives.world_size(), sequence_parallel_size=mpu_sp)
-    sequence_parallel = _sequence_parallel_groups(mpu, cfg.sequence_parallel_size)
-    layout = ParallelLayout.build(cfg.zeroshard.shard_group_size, cfg.zeroshard.collective_timeout_s)
-    if sequence_parallel is not None:
-        layout = layout.with_sequence_parallel(*sequence_parallel)
+    # The process's one layout (zeroshard/sharding/layout.py), perhaps created already by an MoE
+    # layer or parallel_state_sp: cut for this config, then handed to everything below.
+    layout = establish(cfg.zeroshard.shard_group_size, cfg.zeroshard.collective_timeout_s)
+    layout.set_sequence_parallel(*(_sequence_parallel_groups(mpu, cfg.sequence_parallel_size) or (None, None)))
     engine = Engine(
         model, cfg, cfg.precision_plan, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
@@ -115,9 +115,9 @@ def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[collectives.Group, c
 
 def __getattr__(name: str):
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"):
-        from zeroshard.sharding import full_tensors
+        from zeroshard.sharding import tensor_fragment  # the functions zeroshard.utils exports
 
-        return getattr(full_tensors, name)
+        return getattr(tensor_fragment, name)
     if name == "zero":
         import importlib
 

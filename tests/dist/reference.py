@@ -269,7 +269,7 @@ class ReferenceResult:
 
 
 def _named_copy(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    return {name: p.detach().float().clone().cpu() for name, p in model.named_parameters()}
 
 
 def reference_train(
@@ -278,6 +278,7 @@ def reference_train(
     settings: TrainSettings | None = None,
     model_seed: int = 0,
     loss_terms: int = 1,
+    device: str = "cpu",
 ) -> ReferenceResult:
     """Train `TinyModel` on each global batch in one process; one optimizer step per batch.
 
@@ -297,6 +298,11 @@ def reference_train(
         loss_terms: the rows of each global batch are split into this many equal parts and
             the loss is the *sum* of the parts' means: the update of several backward
             calls before one step with gradient_accumulation_steps=1 (DESIGN section 4).
+        device: where the model trains ("cpu" or e.g. "cuda:0"). The weights are drawn on the
+            CPU either way (the same initial weights); the result is on the CPU. The GPU check
+            runs the reference on the engine's device, so both use the same kernels and the
+            CPU tolerances hold (a CPU and a GPU fp16 kernel may round a loss differently by
+            more than `first_loss`).
 
     Parameters with no gradient (the unused Linear) get a zero gradient before the step, as
     the engine gives them (DESIGN section 4): AdamW then still applies weight decay to them.
@@ -307,18 +313,19 @@ def reference_train(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_train(batches, mode, settings, model_seed, loss_terms)
+        return _reference_train(batches, mode, settings, model_seed, loss_terms, torch.device(device))
     finally:
         torch.set_num_threads(threads)
 
 
 @functools.cache
 def cached_reference(
-    seed: int, steps: int, rows: int, mode: str, settings: TrainSettings, loss_terms: int = 1
+    seed: int, steps: int, rows: int, mode: str, settings: TrainSettings, loss_terms: int = 1, device: str = "cpu"
 ) -> ReferenceResult:
-    """`reference_train` on `global_batches(seed, steps, rows)`, computed once per argument set
-    (several tests compare with the same reference). Treat the result as read-only."""
-    return reference_train(global_batches(seed, steps, rows), mode, settings, seed, loss_terms)
+    """`reference_train` on `global_batches(seed, steps, rows)`, computed once per argument set,
+    the device included (several tests compare with the same reference). Treat the result as
+    read-only."""
+    return reference_train(global_batches(seed, steps, rows), mode, settings, seed, loss_terms, device)
 
 
 def _reference_train(
@@ -327,8 +334,9 @@ def _reference_train(
     settings: TrainSettings,
     model_seed: int,
     loss_terms: int,
+    device: torch.device,
 ) -> ReferenceResult:
-    master = build_model(model_seed)
+    master = build_model(model_seed).to(device)
     low_dtype = LOW_DTYPE.get(mode)
     if low_dtype is not None:
         with torch.no_grad():
@@ -343,13 +351,14 @@ def _reference_train(
     master_params = list(master.parameters())
     compute_params = list(compute.parameters())
     for tokens, targets in batches:
+        tokens, targets = tokens.to(device), targets.to(device)
         if compute is not master:
             with torch.no_grad():
                 for c, m in zip(compute_params, master_params, strict=True):
                     c.copy_(m)
         compute.zero_grad(set_to_none=True)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode in AUTOCAST_MODES)
-        loss = torch.zeros((), dtype=torch.float32)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode in AUTOCAST_MODES)
+        loss = torch.zeros((), dtype=torch.float32, device=device)
         for part_tokens, part_targets in zip(tokens.chunk(loss_terms), targets.chunk(loss_terms), strict=True):
             with autocast:
                 loss = loss + compute(part_tokens, part_targets)
@@ -358,7 +367,7 @@ def _reference_train(
         for c, m in zip(compute_params, master_params, strict=True):
             grad = c.grad if c.grad is not None else torch.zeros_like(c)
             m.grad = grad.float() / loss_scale
-        result.grads.append({name: p.grad.clone() for name, p in master.named_parameters()})
+        result.grads.append({name: p.grad.clone().cpu() for name, p in master.named_parameters()})
         norm = torch.nn.utils.clip_grad_norm_(master_params, settings.clip if settings.clip > 0 else float("inf"))
         result.grad_norms.append(float(norm))
         optimizer.step()
@@ -589,10 +598,11 @@ def world_losses(per_rank: list[list[dict]], index: int) -> list[float]:
     return means
 
 
-def reference_for(case, world_size: int, loss_terms: int = 1) -> ReferenceResult:
-    """The reference run for a `tests.dist.scenarios.common.Case` on `world_size` ranks."""
+def reference_for(case, world_size: int, loss_terms: int = 1, device: str = "cpu") -> ReferenceResult:
+    """The reference run for a `tests.dist.scenarios.common.Case` on `world_size` ranks, trained
+    on `device` (the engine's device: see `reference_train`)."""
     rows = world_size * case.micro * case.ga * loss_terms
-    return cached_reference(case.seed, case.steps, rows, case.mode, case.settings, loss_terms)
+    return cached_reference(case.seed, case.steps, rows, case.mode, case.settings, loss_terms, str(device))
 
 
 def run_all(checks) -> None:

@@ -21,7 +21,6 @@ from zeroshard.checkpoint.save import module_names
 from zeroshard.checkpoint.sync import agree
 from zeroshard.comm import collectives as comm
 from zeroshard.moe.autoep.export import hf_layouts, to_hf_state_dict
-from zeroshard.sharding import groups
 
 
 def consolidate_fp32(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -111,7 +110,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
             for flat in unit.flats:  # AutoEP stacks: every rank's experts (collective)
                 for name, p in zip(flat.names, flat.params, strict=True):
                     if hasattr(p, "autoep_global_shape"):
-                        group = groups._get_expert_parallel_group(p.group_name)
+                        group = engine.layout.expert_parallel[p.group_name]
                         full = p.new_empty(p.autoep_global_shape)
                         comm.all_gather(full, p.detach().contiguous(), group=group, tag="export")
                         if rank0:

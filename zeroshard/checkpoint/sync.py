@@ -12,12 +12,13 @@ from typing import Any
 
 from zeroshard.checkpoint.format import CheckpointError
 from zeroshard.comm import collectives as comm
+from zeroshard.sharding.layout import current_layout
 
 
 def all_gather_object(obj: Any) -> list[Any]:
     """`obj` from every rank, in rank order ([obj] without a process group). Checkpoint I/O
     is agreed over the whole world: every rank reads and writes its files."""
-    return comm.all_gather_object(obj, group=comm.world_group())
+    return comm.all_gather_object(obj, group=current_layout().world)
 
 
 def is_rank_zero() -> bool:

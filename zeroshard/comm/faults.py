@@ -14,10 +14,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-# The default of zeroshard.collective_timeout_s: long enough for a first step's warm-up or a
-# large checkpoint written by one rank while the others wait, short enough that a frozen peer
-# is an error a user sees in minutes instead of torch's 30-minute default.
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# The default of zeroshard.collective_timeout_s, a config value (the schema imports no component).
+from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S  # noqa: F401 - re-exported
 
 
 class CollectiveError(RuntimeError):

@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 class DeepSpeedConfigError(ConfigError):
     """DeepSpeed's name for a config error (``deepspeed.runtime.config.DeepSpeedConfigError``).
 
-    The public entry points (``initialize``, ``resolve_config``, ``load_config``) raise this
+    The public entry points (``initialize``, ``resolve_config``) raise this
     subclass, so a script's ``except DeepSpeedConfigError`` and ``except ConfigError`` (or
     ``ValueError``) both catch every config problem.
     """

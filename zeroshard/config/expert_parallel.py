@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from zeroshard.config.base import JsonInt, _equals, _Section, _Unsupported
+from zeroshard.config.choices import AUTOEP_PRESETS
 
 __all__ = ["ExpertParallelConfig"]
 
@@ -118,8 +119,6 @@ class ExpertParallelConfig(_Section):
     @field_validator("preset_model")
     @classmethod
     def _known_preset(cls, value: str | None) -> str | None:
-        from zeroshard.moe.autoep.presets import PRESETS
-
-        if value is not None and value not in PRESETS:
-            raise ValueError(f"unknown preset. Use one of {', '.join(PRESETS)}, or leave it out to detect it")
+        if value is not None and value not in AUTOEP_PRESETS:
+            raise ValueError(f"unknown preset. Use one of {', '.join(AUTOEP_PRESETS)}, or leave it out to detect it")
         return value

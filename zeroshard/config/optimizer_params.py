@@ -8,11 +8,12 @@ validation can import it without torch.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from collections.abc import Callable
 from typing import Any
+
+from zeroshard.config.suggest import did_you_mean
 
 __all__ = ["NO_EFFECT", "OPTIMIZER_PARAMS", "param_problems", "render_problems"]
 
@@ -102,9 +103,7 @@ def render_problems(opt_type: str, params: dict[str, Any]) -> list[str]:
     out = []
     for kind, key, value, rule in param_problems(opt_type, params):
         if kind == "unknown":
-            allowed = rule.split(", ")
-            close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-            hint = f" Did you mean '{close[0]}'?" if close else f" Known keys here: {rule}."
+            hint = did_you_mean(key, rule.split(", "))  # rule: the allowed keys, joined
             out.append(f"optimizer.params.{key}: unknown parameter of {opt_type}.{hint}")
         else:
             try:

@@ -2,7 +2,7 @@
 
 ``resolve_config`` is what ``initialize``, ``zeroshard explain``, the memory estimate, the
 optimizer and scheduler builders and checkpoint loading read. It runs every rule: each key's
-own (``zeroshard.config.schema.check_config``: types, ranges, the three key classes, the optimizer's
+own (``zeroshard.config.schema._check_config``: types, ranges, the three key classes, the optimizer's
 and the schedule's parameters, the batch triangle) and the rules across sections (the
 precision plan of ``zeroshard.precision.plan``, Muon's parameters, an optimizer that cannot keep
 its state in the dtype the plan asks for). Every problem found is reported in one
@@ -14,12 +14,22 @@ from __future__ import annotations
 import os
 import warnings
 
+from zeroshard.config.base import _is_auto, _show
 from zeroshard.config.error import raises_deepspeed_error
 from zeroshard.config.offload import offload_stage_problems
-from zeroshard.config.schema import PRECISION_KEYS, ConfigError, ZeroshardConfig, canonical_dtype_name, check_config
+from zeroshard.config.schema import (
+    PRECISION_KEYS,
+    ConfigError,
+    ZeroshardConfig,
+    _check_config,
+    canonical_dtype_name,
+)
+from zeroshard.config.suggest import did_you_mean
+from zeroshard.optim import schedulers
 from zeroshard.optim.build import state_dtype_problem
 from zeroshard.optim.muon.optimizer import muon_param_problems
 from zeroshard.precision.plan import resolve_precision_plan
+from zeroshard.sharding.stages import stage_policy
 
 __all__ = ["resolve_config"]
 
@@ -44,7 +54,7 @@ def resolve_config(
         DeepSpeedConfigError (a ConfigError): listing every problem, each as
             ``<key>=<value>: <rule>. <fix>``.
     """
-    cfg, problems, tainted = check_config(raw, world_size, sequence_parallel_size)
+    cfg, problems, tainted = _check_config(raw, world_size, sequence_parallel_size, _SECTION_RULES)
     if cfg is None:
         raise ConfigError(problems)
     if "data_types" not in tainted and (problem := _param_dtype_problem(cfg)):
@@ -72,7 +82,30 @@ def resolve_config(
         _warned_lossy.update(new)
         warnings.warn("zeroshard: lossy precision choices in the config:\n  " + "\n  ".join(new), stacklevel=2)
     cfg._precision_plan = plan
+    cfg._stage_policy = stage_policy(cfg.zero_optimization.stage)
     return cfg
+
+
+def _scheduler_param_problems(raw: dict, path: str) -> list[str]:
+    """The schedule's parameters by its own rules (zeroshard.optim.schedulers), without an
+    optimizer; `raw` is the config's `scheduler` section as written, at `path`."""
+    name, params = raw.get("type"), raw.get("params", {})
+    if name not in schedulers.SCHEDULERS or not isinstance(params, dict):
+        return []  # an unknown type is the schema's problem
+    problems = []
+    for kind, key, value, rule in schedulers.param_problems(name, params):
+        if kind == "unknown":
+            hint = did_you_mean(key, schedulers.accepted_params(name))
+            problems.append(f"{path}.params.{key}: unknown parameter of {name}.{hint}")
+        elif kind == "missing":
+            problems.append(f"{path}.params.{key}: {rule}")
+        elif not _is_auto(value):  # "auto" has its own message
+            problems.append(f"{path}.params.{key}={_show(value)}: {rule}")
+    return problems
+
+
+# The components' rules the key-by-key check applies to their sections.
+_SECTION_RULES = {"scheduler": _scheduler_param_problems}
 
 
 def _param_dtype_problem(cfg: ZeroshardConfig) -> str | None:

@@ -2,8 +2,10 @@
 
 The sections' models are in zeroshard/config/sections.py, reading a file (JSON, HJSON) in
 zeroshard/config/file.py; this module holds the whole config's model and the per-key pass
-(``check_config`` / ``load_config``). ``zeroshard.config.resolve.resolve_config`` adds the rules across
-sections and is the one pass ``initialize`` and ``zeroshard explain`` use.
+(``_check_config``). ``zeroshard.config.resolve.resolve_config`` runs it, adds the rules across
+sections and the components' own rules, and is the one way to get a config object (what
+``initialize`` and ``zeroshard explain`` use). This module imports nothing of zeroshard outside
+zeroshard/config (tests/unit/config/test_config_leaf.py).
 
 Every key a user can write falls in exactly one of three classes (DESIGN section 1):
 
@@ -29,13 +31,14 @@ import copy
 import os
 import typing
 import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
-from zeroshard.comm.faults import DEFAULT_COLLECTIVE_TIMEOUT_S
-from zeroshard.config.error import ConfigError, DeepSpeedConfigError, raises_deepspeed_error
+from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
+from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
 from zeroshard.config.sections import (
@@ -49,7 +52,6 @@ from zeroshard.config.sections import (
     SchedulerConfig,
     TorchAutocastConfig,
     ZeroConfig,
-    _did_you_mean,
     _disabled_section,
     _empty,
     _equals,
@@ -62,6 +64,7 @@ from zeroshard.config.sections import (
     _validate_dtype_name,
     canonical_dtype_name,
 )
+from zeroshard.config.suggest import did_you_mean
 
 __all__ = [
     "BF16Config",
@@ -79,8 +82,6 @@ __all__ = [
     "ZeroshardExtras",
     "PRECISION_KEYS",
     "canonical_dtype_name",
-    "check_config",
-    "load_config",
     "requested_collective_timeout_s",
 ]
 
@@ -111,9 +112,10 @@ class ZeroshardExtras(_Section):
 
 
 class ZeroshardConfig(_Section):
-    """A validated, resolved zeroshard config. Build it with ``load_config``.
+    """A validated, resolved zeroshard config. Build it with
+    ``zeroshard.config.resolve.resolve_config``.
 
-    The batch-size triangle is resolved for the world size given to ``load_config`` (so the
+    The batch-size triangle is resolved for the world size given to ``resolve_config`` (so the
     three batch fields are ints afterwards). ``defaults_applied``, ``no_effect_keys``,
     ``derived_keys``, ``raw`` and ``world_size`` describe how it was built.
     """
@@ -219,6 +221,7 @@ class ZeroshardConfig(_Section):
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _world_size: int = PrivateAttr(default=1)
     _precision_plan: Any = PrivateAttr(default=None)
+    _stage_policy: Any = PrivateAttr(default=None)
 
     # Legacy spellings of a section, read when the current one is absent (as DeepSpeed does).
     LEGACY_SECTIONS: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
@@ -226,19 +229,13 @@ class ZeroshardConfig(_Section):
     @property
     def precision_plan(self) -> Any:
         """The resolved PrecisionPlan (zeroshard.precision.plan); set by ``resolve_config``."""
-        if self._precision_plan is None:
-            raise AttributeError(
-                "this config was checked by load_config only; zeroshard.config.resolve.resolve_config "
-                "gives the resolved config with its precision plan."
-            )
-        return self._precision_plan
+        return _resolved(self._precision_plan, "precision_plan")
 
     @property
     def stage_policy(self) -> Any:
-        """The StagePolicy (zeroshard.sharding.stages) of ``zero_optimization.stage``."""
-        from zeroshard.sharding.stages import stage_policy
-
-        return stage_policy(self.zero_optimization.stage)
+        """The StagePolicy (zeroshard.sharding.stages) of ``zero_optimization.stage``; set by
+        ``resolve_config``."""
+        return _resolved(self._stage_policy, "stage_policy")
 
     @property
     def defaults_applied(self) -> list[str]:
@@ -266,6 +263,15 @@ class ZeroshardConfig(_Section):
         return self._world_size
 
 
+def _resolved(value: Any, name: str) -> Any:
+    if value is None:
+        raise AttributeError(
+            f"this config was only checked key by key, so it has no {name}: "
+            "zeroshard.config.resolve.resolve_config gives the resolved config."
+        )
+    return value
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------
@@ -291,7 +297,15 @@ def _asks_for_something(value: Any, default: Any) -> bool:
     return True
 
 
-def _walk(section: type[_Section], raw: dict[str, Any], path: str, report: _Report) -> dict[str, Any]:
+# A component's own rule for a section, given by the resolve pass: (the section as written,
+# its written JSON path) -> problems. The schema itself imports no component.
+SectionRule = Callable[[dict[str, Any], str], list[str]]
+
+
+def _walk(
+    section: type[_Section], raw: dict[str, Any], path: str, report: _Report,
+    section_rules: Mapping[str, SectionRule],
+) -> dict[str, Any]:
     """Classify every key of ``raw``; return the part pydantic should validate."""
     cleaned: dict[str, Any] = {}
     legacy = getattr(section, "LEGACY_SECTIONS", {})
@@ -314,8 +328,10 @@ def _walk(section: type[_Section], raw: dict[str, Any], path: str, report: _Repo
         if key in section.model_fields:
             sub = _section_class(section.model_fields[key].annotation)
             if sub is not None and isinstance(value, dict):
-                cleaned[key] = _walk(sub, value, key_path, report)
+                cleaned[key] = _walk(sub, value, key_path, report, section_rules)
                 sub.check_extra(value, key_path, report)
+                if (rule := section_rules.get(_join(path, key))) is not None:
+                    report.problems.extend(rule(value, key_path))
             else:
                 cleaned[key] = value
             if key in section.NO_EFFECT:
@@ -332,7 +348,7 @@ def _walk(section: type[_Section], raw: dict[str, Any], path: str, report: _Repo
                     f"{unsupported.hint}"
                 )
         else:
-            report.problems.append(f"{key_path}: unknown key." + _did_you_mean(key, section.json_keys()))
+            report.problems.append(f"{key_path}: unknown key." + did_you_mean(key, section.json_keys()))
     return cleaned
 
 
@@ -506,7 +522,7 @@ PRECISION_KEYS = frozenset({"fp16", "bf16", "bfloat16", "torch_autocast", "data_
 
 def requested_collective_timeout_s(raw: dict | str | os.PathLike) -> float | None:
     """``zeroshard.collective_timeout_s`` from a raw config when it is a positive number, else
-    None (the default applies; a bad value is reported by ``check_config`` like any other)."""
+    None (the default applies; a bad value is reported by ``_check_config`` like any other)."""
     try:
         data = raw if isinstance(raw, dict) else read_config_file(Path(raw))
         value = data.get("zeroshard", {}).get("collective_timeout_s")
@@ -517,14 +533,17 @@ def requested_collective_timeout_s(raw: dict | str | os.PathLike) -> float | Non
     return None
 
 
-def check_config(
-    raw: dict | str | os.PathLike, world_size: int = 1, sequence_parallel_size: int | None = None
+def _check_config(
+    raw: dict | str | os.PathLike, world_size: int = 1, sequence_parallel_size: int | None = None,
+    section_rules: Mapping[str, SectionRule] | None = None,
 ) -> tuple[ZeroshardConfig | None, list[str], set[str]]:
     """Check every key of a config; the first half of ``resolve_config``.
 
     ``world_size`` counts every rank; the batch triangle counts data-parallel replicas,
     ``world_size / sequence_parallel_size`` (the key, or the argument when the caller already
     has sequence-parallel groups, e.g. from an mpu: then the key must agree or be left out).
+    ``section_rules`` are the components' rules for sections (by JSON path, e.g. "scheduler"),
+    reported with that section's own problems.
 
     Returns:
         ``(config, problems, tainted)``: the config with defaults filled in and the batch
@@ -539,7 +558,7 @@ def check_config(
         raise ConfigError(f"world_size={world_size!r}: must be a positive integer.")
     data = _read_raw(raw)
     report = _Report()
-    cleaned = _walk(ZeroshardConfig, data, "", report)
+    cleaned = _walk(ZeroshardConfig, data, "", report, section_rules or {})
     problems = list(report.problems)
     tainted = {p.split(".")[0].split("=")[0].split(":")[0] for p in problems}
     cfg = None
@@ -613,28 +632,3 @@ def _data_parallel_size(
         )
     cfg.__dict__["data_parallel_size"] = dp
     return dp
-
-
-@raises_deepspeed_error
-def load_config(raw: dict | str | os.PathLike, world_size: int = 1) -> ZeroshardConfig:
-    """Check every key of a DeepSpeed-style config and resolve it for ``world_size`` ranks.
-
-    This is the per-key half of the validation; ``zeroshard.config.resolve.resolve_config`` adds the
-    rules across sections (the precision plan, Muon's parameters) and is what ``initialize``
-    and ``zeroshard explain`` use.
-
-    Args:
-        raw: the config as a dict, or the path of a JSON (or HJSON) file holding it.
-        world_size: data-parallel world size, used to resolve the batch-size triangle.
-
-    Returns:
-        The validated, frozen config, with defaults filled in and the batch triangle resolved.
-
-    Raises:
-        ConfigError: listing every problem, each naming its JSON path.
-    """
-    cfg, problems, _ = check_config(raw, world_size)
-    if problems:
-        raise ConfigError(problems)
-    assert cfg is not None
-    return cfg

@@ -8,7 +8,6 @@ read as a number or a boolean. ``zeroshard.config.schema`` walks a raw config th
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -31,10 +30,11 @@ from zeroshard.config.base import (  # noqa: F401 - re-exported: schema.py and e
     _validate_dtype_name,
     canonical_dtype_name,
 )
+from zeroshard.config.choices import SCHEDULER_TYPES
 from zeroshard.config.optimizer_params import NO_EFFECT as OPTIMIZER_NO_EFFECT
 from zeroshard.config.optimizer_params import OPTIMIZER_PARAMS
 from zeroshard.config.optimizer_params import render_problems as optimizer_param_problems
-from zeroshard.optim import schedulers
+from zeroshard.config.suggest import did_you_mean
 
 # ---------------------------------------------------------------------------------------------
 # Sections
@@ -52,11 +52,6 @@ _UNSUPPORTED_OPTIMIZERS = {
     "muadamw": "MuAdamW",
     "musgd": "MuSGD",
 }
-def _did_you_mean(key: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else f" Known keys here: {', '.join(sorted(candidates))}."
-
-
 class OptimizerConfig(_Section):
     """``optimizer``: the optimizer the engine builds when the user passes none.
 
@@ -83,7 +78,7 @@ class OptimizerConfig(_Section):
                 f"Use one of {', '.join(_SUPPORTED_OPTIMIZERS.values())}"
             )
         raise ValueError(
-            "unknown optimizer type." + _did_you_mean(value, list(_SUPPORTED_OPTIMIZERS.values()))
+            "unknown optimizer type." + did_you_mean(value, _SUPPORTED_OPTIMIZERS.values())
         )
 
     @classmethod
@@ -117,33 +112,16 @@ class SchedulerConfig(_Section):
     @field_validator("type")
     @classmethod
     def _known_type(cls, value: str) -> str:
-        if value in schedulers.SCHEDULERS:
+        if value in SCHEDULER_TYPES:
             return value
         if value in _UNSUPPORTED_SCHEDULERS:
             raise ValueError(
                 "recognised DeepSpeed scheduler, not supported by zeroshard. "
-                f"Use one of {', '.join(schedulers.SCHEDULERS)}"
+                f"Use one of {', '.join(SCHEDULER_TYPES)}"
             )
-        raise ValueError("unknown scheduler type." + _did_you_mean(value, list(schedulers.SCHEDULERS)))
-
-    @classmethod
-    def check_extra(cls, raw: dict[str, Any], path: str, report: _Report) -> None:
-        # The schedules' own rules (schedulers._RULES), checked here without an optimizer.
-        name = raw.get("type")
-        params = raw.get("params", {})
-        if name not in schedulers.SCHEDULERS or not isinstance(params, dict):
-            return
-        for kind, key, value, rule in schedulers.param_problems(name, params):  # type: ignore[arg-type]
-            if kind == "unknown":
-                close = difflib.get_close_matches(key, list(schedulers.accepted_params(name)), n=1, cutoff=0.6)  # type: ignore[arg-type]
-                hint = f" Did you mean '{close[0]}'?" if close else (
-                    f" Known keys here: {', '.join(sorted(schedulers.accepted_params(name)))}."  # type: ignore[arg-type]
-                )
-                report.problems.append(f"{path}.params.{key}: unknown parameter of {name}.{hint}")
-            elif kind == "missing":
-                report.problems.append(f"{path}.params.{key}: {rule}")
-            elif not _is_auto(value):  # "auto" has its own message
-                report.problems.append(f"{path}.params.{key}={_show(value)}: {rule}")
+        raise ValueError("unknown scheduler type." + did_you_mean(value, SCHEDULER_TYPES))
+    # The schedules' parameters are checked by their own rules (zeroshard.optim.schedulers) in
+    # the resolve pass (zeroshard/config/resolve.py).
 
 
 class FP16Config(_Section):
@@ -163,7 +141,7 @@ class FP16Config(_Section):
 
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"fused_mode"})
     # Dynamic-scaling knobs: with a static scale or fp16 off they change nothing (DeepSpeed
-    # accepts them there too); load_config lists them as "accepted, no effect" in that case.
+    # accepts them there too); the config lists them as "accepted, no effect" in that case.
     DYNAMIC_ONLY: ClassVar[tuple[str, ...]] = (
         "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale",
     )

@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 import zeroshard
 from zeroshard.comm import collectives as comm
-from zeroshard.config.schema import load_config
+from zeroshard.config.resolve import resolve_config
 from zeroshard.demo.data import DEFAULT_MAX_BYTES, ByteWindows, build_datasets, stdlib_root
 from zeroshard.demo.model import PRESETS, build_gpt
 from zeroshard.demo.plot import read_metrics, write_loss_plot
 from zeroshard.demo.progress import ProgressReporter
+from zeroshard.sharding.layout import current_layout
 
 DEFAULT_STEPS = 300
 DEFAULT_MODEL = "small"
@@ -115,7 +116,7 @@ def check_run_dir(run_dir: Path, model: str) -> None:
 def all_ranks_mean(value: torch.Tensor) -> float:
     """Mean of a scalar over all ranks."""
     value = value.detach().float().clone()
-    world = comm.world_group()
+    world = current_layout().world
     comm.all_reduce(value, group=world, tag="demo")
     return value.item() / world.size
 
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         * world_size
         * model.config.block_size
     )
-    resolved = load_config(config, world_size=world_size)
+    resolved = resolve_config(config, world_size=world_size)
     progress = ProgressReporter(start_step, args.steps, enabled=rank == 0, print_every=resolved.steps_per_print)
     progress.print(
         f"[bold]zeroshard demo[/]: model '{args.model}' ({model.num_params() / 1e6:.2f}M params), "

@@ -27,7 +27,7 @@ from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
-from zeroshard.sharding.layout import ParallelLayout
+from zeroshard.sharding.layout import ParallelLayout, establish
 from zeroshard.sharding.offload import OffloadPlan, place_layout
 from zeroshard.sharding.registry import ParamRegistry
 from zeroshard.sharding.stages import stage_policy
@@ -61,7 +61,7 @@ class Engine(EngineAPI):
         self.config = config
         self.precision_plan = plan
         self.policy = stage_policy(config.zero_optimization.stage)
-        layout = layout if layout is not None else ParallelLayout.build(
+        layout = layout if layout is not None else establish(
             config.zeroshard.shard_group_size, config.zeroshard.collective_timeout_s
         )
         self.offload = OffloadPlan.from_config(config.zero_optimization)
@@ -81,7 +81,7 @@ class Engine(EngineAPI):
         self._post_clip_grad_norm: torch.Tensor | None = None
         self._autocast_warned: set[str] = set()  # autocast.forward_context warns once per engine
 
-        transforms = setup.transform_model(model, config, optimizer, model_parameters)
+        transforms = setup.transform_model(model, config, self.layout, optimizer, model_parameters)
         self.autoep_settings = transforms.autoep_settings
         self._load_balancer = transforms.load_balancer
         self.expert_group_names = transforms.expert_group_names

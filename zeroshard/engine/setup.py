@@ -39,7 +39,6 @@ from zeroshard.optim import repoint_optimizer
 from zeroshard.optim.muon import optimizer as muon
 from zeroshard.precision.loss_scale import LossScaler
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
-from zeroshard.sharding import groups
 from zeroshard.sharding.flat import FlatParamGroup
 from zeroshard.sharding.layout import ParallelLayout, ShardingSpec
 from zeroshard.sharding.leaf_modules import apply_leaf_module_config
@@ -97,7 +96,7 @@ def optimizer_groups(
 
 
 def transform_model(
-    model: nn.Module, config: ZeroshardConfig, optimizer: Any, model_parameters: Any
+    model: nn.Module, config: ZeroshardConfig, layout: ParallelLayout, optimizer: Any, model_parameters: Any
 ) -> ModelTransforms:
     """AutoEP, expert groups and the optimizer groups, before any flat is built."""
     autoep_settings = load_balancer = None
@@ -113,11 +112,11 @@ def transform_model(
 
             load_balancer = LoadBalancer(
                 [layer for _, layer in autoep_layers(model)], config.expert_parallel.load_balance_coeff,
-                comm.world_group(),
+                layout.world,
             )
     # MoE layers get their expert-parallel groups (collective, the same order everywhere)
     # before any flat is built: expert flats are sharded over those groups.
-    expert_group_names = attach_expert_groups(model)
+    expert_group_names = attach_expert_groups(model, layout)
     if optimizer is None and model_parameters is None and expert_group_names:
         # The optimizer comes from the config: keep expert parameters in groups of their
         # own, as DeepSpeed asks users to (split_params_into_different_moe_groups_for_optimizer).
@@ -160,7 +159,7 @@ def sharding_for(layout: ParallelLayout, expert_group: str | None) -> ShardingSp
     """Expert flats: over their expert-data-parallel group; dense flats: the layout's."""
     if expert_group is None:
         return layout.dense
-    return layout.expert(groups._get_expert_data_parallel_group(expert_group))
+    return layout.expert(expert_group)
 
 
 def build_units(

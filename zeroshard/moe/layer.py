@@ -8,7 +8,7 @@ and state-dict layout, so a DeepSpeed model ports by changing the import.
 
 `<moe>.deepspeed_moe.gate.wg.weight` is the router (zeroshard/moe/sharded_moe.py),
 `<moe>.deepspeed_moe.experts.deepspeed_experts.<j>` local expert j, which is global expert
-`ep_rank * num_local_experts + j` with ep_rank = rank % ep_size (zeroshard/sharding/groups.py).
+`ep_rank * num_local_experts + j` with ep_rank = rank % ep_size (zeroshard/sharding/layout.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from zeroshard.comm import collectives as comm
 from zeroshard.moe.dispatcher import MOELayer
 from zeroshard.moe.experts import Experts
 from zeroshard.moe.sharded_moe import NOISY_GATE_POLICIES, TopKGate
-from zeroshard.sharding import groups
+from zeroshard.sharding.layout import ParallelLayout, current_layout, expert_group_name
 
 
 class MoE(nn.Module):
@@ -68,7 +68,7 @@ class MoE(nn.Module):
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size
-        self.expert_group_name = groups.expert_group_name(ep_size)
+        self.expert_group_name = expert_group_name(ep_size)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
 
@@ -82,20 +82,23 @@ class MoE(nn.Module):
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
 
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Build (once per ep_size, collectively) and attach the expert-parallel groups."""
+    def set_deepspeed_parallelism(
+        self, use_data_before_expert_parallel_: bool = False, layout: ParallelLayout | None = None
+    ) -> None:
+        """Attach the expert-parallel group of `layout` (the engine's; else the process's one
+        layout, which builds it once per ep_size, collectively)."""
         if use_data_before_expert_parallel_:
             raise ValueError(
                 "use_data_before_expert_parallel_=True: not supported by zeroshard (expert-parallel "
                 "groups are consecutive ranks). Leave it False."
             )
-        groups._create_expert_and_data_parallel(self.ep_size)
-        self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
+        ep, _ = (layout if layout is not None else current_layout()).expert_groups(self.ep_size)
+        self.deepspeed_moe._set_ep_group(ep)
 
     @property
     def ep_rank(self) -> int:
         """This rank's index in its expert-parallel group (its experts' block of global ids)."""
-        return comm.rank() % self.ep_size
+        return current_layout().expert_parallel_rank(self.ep_size)
 
     def global_expert_index(self, local_index: int) -> int:
         return self.ep_rank * self.num_local_experts + local_index

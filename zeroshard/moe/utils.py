@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.sharding.layout import ParallelLayout
+
 __all__ = [
     "has_moe_layers",
     "is_moe_param",
@@ -120,20 +122,20 @@ def configure_moe_param_groups(model_parameters: list):
     return model_parameters
 
 
-def attach_expert_groups(model: nn.Module) -> list[str]:
-    """Give every MoE layer of `model` its expert-parallel groups (built collectively, in
-    module order, so every rank builds the same groups in the same order); returns the expert
-    group names in use."""
+def attach_expert_groups(model: nn.Module, layout: ParallelLayout | None = None) -> list[str]:
+    """Give every MoE layer of `model` its expert-parallel groups from `layout` (the process's
+    one layout when None; built collectively, in module order, so every rank builds the same
+    groups in the same order); returns the expert group names in use."""
     from zeroshard.moe.layer import MoE
 
     names: list[str] = []
     for module in model.modules():
         if isinstance(module, MoE):
-            module.set_deepspeed_parallelism()
+            module.set_deepspeed_parallelism(layout=layout)
             if module.expert_group_name not in names:
                 names.append(module.expert_group_name)
         elif getattr(module, "_is_autoep_layer", False):  # zeroshard.module_inject.auto_ep_layer
-            module.set_deepspeed_parallelism()
+            module.set_deepspeed_parallelism(layout=layout)
             if module.ep_group_name not in names:
                 names.append(module.ep_group_name)
     return names

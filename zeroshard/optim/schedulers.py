@@ -27,7 +27,6 @@ silently uses "log") is a ValueError, and so is a `total_num_steps` that is not 
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 import warnings
@@ -35,6 +34,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from zeroshard.config.suggest import did_you_mean
 
 __all__ = ["OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "accepted_params", "build_scheduler",
            "param_problems"]
@@ -491,13 +492,6 @@ def _accepted_params(cls: type[_Schedule]) -> dict[str, inspect.Parameter]:
     return params
 
 
-def _did_you_mean(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if not close:
-        close = [c for c in choices if c.lower() == word.lower()]
-    return f" Did you mean '{close[0]}'?" if close else ""
-
-
 def accepted_params(name: str) -> dict[str, inspect.Parameter]:
     """The parameters schedule `name` takes (its constructor's, less the optimizer)."""
     return _accepted_params(SCHEDULERS[name])
@@ -514,7 +508,7 @@ def param_problems(name: str, params: dict[str, Any]) -> list[tuple[str, str, An
     problems: list[tuple[str, str, Any, str]] = []
     for key, value in params.items():
         if key not in accepted:
-            problems.append(("unknown", key, value, _did_you_mean(key, list(accepted))))
+            problems.append(("unknown", key, value, did_you_mean(key, accepted, known=None)))
             continue
         if isinstance(value, str) and value.strip().lower() == "auto":
             problems.append(("value", key, value, "zeroshard does not fill in 'auto' values; write the number."))
@@ -545,7 +539,7 @@ def build_scheduler(config: Any, optimizer: Any) -> _Schedule:
     if cls is None:
         supported = ", ".join(SCHEDULERS)
         raise ValueError(
-            f"scheduler.type={name!r}: not a supported scheduler.{_did_you_mean(str(name), list(SCHEDULERS))}"
+            f"scheduler.type={name!r}: not a supported scheduler.{did_you_mean(str(name), SCHEDULERS, known=None)}"
             f" Supported: {supported}."
         )
     params = dict(config.params or {})

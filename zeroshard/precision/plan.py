@@ -297,7 +297,7 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
     """Resolve the precision of every tensor role for every parameter group.
 
     Args:
-        config: a config from ``load_config``.
+        config: a config checked key by key (``resolve_config`` passes its own, before the plan is set).
 
     Returns:
         The plan; the same on every rank.

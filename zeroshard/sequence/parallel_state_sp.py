@@ -10,13 +10,14 @@ parameters are sharded over it: DESIGN section 9).
 Group getters return torch ProcessGroups, as DeepSpeed's do (users pass them to
 torch.distributed and to the data-loader adapter); `sequence_parallel_layout()` gives the same
 groups as `zeroshard.comm.Group`s for the engine.
+
+The groups live in the process's `ParallelLayout` (zeroshard/sharding/layout.py); these
+functions are read-only views onto it (and the two that build and forget them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from zeroshard.comm import collectives as comm
+from zeroshard.sharding.layout import SequenceParallelGroups, current_layout  # noqa: F401  (its old home)
 
 __all__ = [
     "initialize_sequence_parallel",
@@ -38,76 +39,29 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class SequenceParallelGroups:
-    """This rank's groups (global ranks in `.ranks`).
-
-    Attributes:
-        sequence: the SP consecutive ranks sharing one sample's sequence.
-        data: the DP strided ranks holding the same sequence slice of different samples.
-        sequence_data: every rank of the layout (data x sequence).
-        model: this rank alone (no tensor parallelism; DeepSpeed's mpu protocol asks for it).
-    """
-
-    sequence: comm.Group
-    data: comm.Group
-    sequence_data: comm.Group
-    model: comm.Group
-
-
-_GROUPS: SequenceParallelGroups | None = None
-
-
 def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
     """Build the groups for `sequence_parallel_size` (collective: every rank calls it)."""
-    global _GROUPS
-    if _GROUPS is not None:
-        raise RuntimeError(
-            "sequence parallelism is already initialized in this process. Call destroy_sequence_parallel() first."
-        )
-    world = comm.world_group()
-    size = sequence_parallel_size
-    if not isinstance(size, int) or size < 1 or world.size % size:
-        raise ValueError(
-            f"sequence_parallel_size={size}: must be a positive divisor of the world size {world.size}. "
-            "Launch a multiple of it ranks, or pick a divisor."
-        )
-    blocks = [world.ranks[i : i + size] for i in range(0, world.size, size)]
-    strides = [world.ranks[i::size] for i in range(size)]
-    me = world.ranks[world.rank]
-
-    def mine(family: list[tuple[int, ...]]) -> comm.Group:
-        found = None
-        for members in family:  # every rank creates every group, in the same order
-            group = comm.new_process_group(members, world)
-            if me in members:
-                found = group
-        assert found is not None
-        return found
-
-    sequence, data = mine(blocks), mine(strides)
-    model = mine([(r,) for r in world.ranks])
-    _GROUPS = SequenceParallelGroups(sequence, data, world, model)
+    current_layout().init_sequence_mpu(sequence_parallel_size)
 
 
 def destroy_sequence_parallel() -> None:
     """Forget the groups (torch keeps the process groups until the default group goes)."""
-    global _GROUPS
-    _GROUPS = None
+    current_layout().drop_sequence_mpu()
 
 
 def is_initialized() -> bool:
-    return _GROUPS is not None
+    return current_layout().sequence_mpu is not None
 
 
 def sequence_parallel_layout() -> SequenceParallelGroups:
     """The groups as `zeroshard.comm.Group`s."""
-    if _GROUPS is None:
+    groups = current_layout().sequence_mpu
+    if groups is None:
         raise RuntimeError(
             "sequence parallel groups are not initialized. Call initialize_sequence_parallel(size) "
             "(or UlyssesSPAttentionHF.register_with_transformers) first."
         )
-    return _GROUPS
+    return groups
 
 
 def get_sequence_parallel_group():

@@ -33,7 +33,7 @@ from zeroshard.comm import collectives as comm
 from zeroshard.grads.buffers import FlatGradients
 from zeroshard.precision.plan import RolePlan
 from zeroshard.sharding.gather import Gathering, GatherPiece, all_gather_shards
-from zeroshard.sharding.layout import ShardingSpec
+from zeroshard.sharding.layout import ShardingSpec, current_layout
 from zeroshard.sharding.offload import host_copy
 from zeroshard.sharding.ranges import overlap
 from zeroshard.sharding.stages import StagePolicy
@@ -71,7 +71,7 @@ class FlatParamGroup:
         self.policy = policy
         self.device = device
         if spec is None:  # no layout given: sharded over the whole world
-            world = comm.world_group()
+            world = current_layout().world
             spec = ShardingSpec(world, comm.self_group(world), world)
         self.spec = spec
         self.shard_size = spec.shard.size

@@ -2,7 +2,12 @@
 
 DeepSpeed's `safe_get_full_*` helpers: every rank gets the whole tensor whatever the
 stage. They are collectives at stages 1-3 (a shard lives on each rank), so every rank must
-call them, in the same order.
+call them, in the same order. A frozen parameter (requires_grad False) has no master, gradient
+or optimizer state: they answer None for it, as DeepSpeed 0.19's do (no collective then).
+
+The one implementation: `zeroshard.safe_get_full_*` and DeepSpeed's paths
+(`zeroshard.utils`, `zeroshard.utils.tensor_fragment`, `zeroshard.sharding.tensor_fragment`)
+are these functions.
 """
 
 from __future__ import annotations
@@ -14,6 +19,11 @@ from zeroshard.comm import collectives as comm
 from zeroshard.sharding.flat import FlatParamGroup
 from zeroshard.sharding.gather import GatherPiece, all_gather_shards
 from zeroshard.sharding.registry import ParamRegistry, registry_of
+
+
+def frozen(param: nn.Parameter) -> bool:
+    """A parameter the engine holds no master, gradient or optimizer state for."""
+    return not param.requires_grad
 
 
 def _locate(param: nn.Parameter) -> tuple[ParamRegistry, FlatParamGroup, int]:
@@ -36,8 +46,10 @@ def _param_slice(flat: FlatParamGroup, full: torch.Tensor, index: int) -> torch.
     return flat.param_view(full, index).detach().to(torch.float32, copy=True)
 
 
-def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
-    """The parameter's master weight, full size, in fp32."""
+def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
+    """The parameter's master weight, full size, in fp32; None for a frozen parameter."""
+    if frozen(param):
+        return None
     _, flat, index = _locate(param)
     return _param_slice(flat, _full_flat(flat, flat.master), index)
 
@@ -48,9 +60,12 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     Valid between the boundary backward and `engine.step()`; zeros for a parameter that
     took no part in the backward. Read from the master-side shards (what the step applies),
     also at stage 1 where every rank holds the whole reduced gradient (`param.grad`): after
-    `safe_set_local_grad` only the shards agree everywhere; None when no reduced gradient exists yet (before the
-    boundary backward, or after the step cleared it).
+    `safe_set_local_grad` only the shards agree everywhere. None for a frozen parameter, and
+    when no reduced gradient exists yet (before the boundary backward, or after the step
+    cleared it).
     """
+    if frozen(param):
+        return None
     registry, flat, index = _locate(param)
     reduced = flat.grads.reduced
     has_any = torch.tensor([0 if reduced is None else 1], device=flat.device)
@@ -66,7 +81,10 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The optimizer state `optim_state_key` (torch's names: exp_avg, exp_avg_sq,
-    momentum_buffer, step) for this parameter, full size; None if the optimizer has none."""
+    momentum_buffer, step) for this parameter, full size; None for a frozen parameter or a
+    state the optimizer does not keep."""
+    if frozen(param):
+        return None
     registry, flat, index = _locate(param)
     optimizer = registry.optimizer()
     state = optimizer.state.get(flat.master, {}) if optimizer is not None else {}

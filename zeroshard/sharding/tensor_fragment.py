@@ -19,8 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroshard.sharding import full_tensors
-from zeroshard.sharding.full_tensors import _locate
+from zeroshard.sharding.full_tensors import (
+    _locate,
+    frozen,
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+)
+from zeroshard.sharding.ranges import overlap
 
 if TYPE_CHECKING:
     from zeroshard.sharding.flat import FlatParamGroup
@@ -42,12 +48,8 @@ __all__ = [
 ]
 
 
-def _frozen(param: nn.Parameter) -> bool:
-    return not param.requires_grad
-
-
 def _refuse_frozen(param: nn.Parameter, what: str) -> None:
-    if _frozen(param):
+    if frozen(param):
         raise ValueError(
             f"{what}: the parameter is frozen (requires_grad=False), so it has no master, gradient or "
             "optimizer state to write. Set its data directly, or unfreeze it before initialize."
@@ -59,10 +61,10 @@ def _local_range(flat: FlatParamGroup, index: int) -> tuple[int, int, int]:
     """(start in the master-side tensor, start in the flattened parameter, length) of the part
     of parameter `index` this rank's master-side tensors hold (length 0: none)."""
     start, length = flat.master_range()
-    lo = max(flat.offsets[index], start)
-    hi = min(flat.offsets[index] + flat.numels[index], start + length)
-    if lo >= hi:
+    common = overlap(flat.offsets[index], flat.offsets[index] + flat.numels[index], start, start + length)
+    if common is None:
         return 0, 0, 0
+    lo, hi = common
     return lo - start, lo - flat.offsets[index], hi - lo
 
 
@@ -166,21 +168,8 @@ def _write_state(registry, flat, index, key, part, in_param, what) -> None:
 
 
 # ----------------------------------------------------------------------------- full
-def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
-    """The parameter's fp32 master weight, full size; None for a frozen parameter."""
-    return None if _frozen(param) else full_tensors.safe_get_full_fp32_param(param)
-
-
-def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
-    """The reduced, unscaled gradient, full size, in fp32 (between the boundary backward and
-    `engine.step()`); None for a frozen parameter or when no reduced gradient exists."""
-    return None if _frozen(param) else full_tensors.safe_get_full_grad(param)
-
-
-def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
-    """The optimizer state `optim_state_key` (exp_avg, exp_avg_sq, ...), full size; None for a
-    frozen parameter or a state the optimizer does not keep."""
-    return None if _frozen(param) else full_tensors.safe_get_full_optimizer_state(param, optim_state_key)
+# The getters are zeroshard.sharding.full_tensors' (imported above), so every path to them
+# is one function.
 
 
 def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -213,9 +202,9 @@ def safe_update_full_grad_vectorized(param_list: list[nn.Parameter], update_func
     """`safe_set_full_grad(p, update_func(safe_get_full_grad(p), p))` for every trainable
     parameter of `param_list` (a collective: every rank passes the same list)."""
     for p in param_list:
-        if _frozen(p):
+        if frozen(p):
             continue
-        old = full_tensors.safe_get_full_grad(p)
+        old = safe_get_full_grad(p)
         if old is None:
             raise RuntimeError(
                 "safe_update_full_grad_vectorized: no reduced gradient yet. Call it after the boundary "
@@ -232,7 +221,7 @@ def _local_slice(flat: FlatParamGroup, index: int, tensor: torch.Tensor) -> torc
 
 def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     """This rank's part of the fp32 master, flattened (see the module docstring)."""
-    if _frozen(param):
+    if frozen(param):
         return None
     _, flat, index = _locate(param)
     return _local_slice(flat, index, flat.master)
@@ -240,7 +229,7 @@ def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
 
 def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
     """This rank's part of the reduced, unscaled gradient, flattened; None when there is none."""
-    if _frozen(param):
+    if frozen(param):
         return None
     registry, flat, index = _locate(param)
     if flat.grads.reduced is None:
@@ -252,7 +241,7 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
 
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """This rank's part of the optimizer state `optim_state_key`, flattened."""
-    if _frozen(param):
+    if frozen(param):
         return None
     registry, flat, index = _locate(param)
     optimizer = registry.optimizer()

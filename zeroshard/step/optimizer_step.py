@@ -144,8 +144,12 @@ class OptimizerStep:
             post_clip = norm
             if self.clip and self.clip > 0:
                 coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
-                if grads:
-                    torch._foreach_mul_(grads, coef)
+                for where, group in _by_device(grads).items():
+                    # A foreach scalar tensor must be on its tensors' device. Under offload the
+                    # gradients are on the host and the norm on the device: the host step needs
+                    # the coefficient on the host, and this device-to-host read is inherent to a
+                    # host step (the CPU clips and steps right after). On the device: no copy.
+                    torch._foreach_mul_(group, coef.to(where))
                 post_clip = norm * coef
             self.optimizer.step()
             publish_masters(self.flats, self.publish_bucket_numel)
@@ -194,14 +198,26 @@ class OptimizerStep:
         if local_grad_sum is not None:
             packed[1 + world.rank] = (~torch.isfinite(local_grad_sum.to(packed.device))).float()
         # fp32 holds integers exactly below 2**24: counters modulo that still differ when
-        # ranks are a few steps apart.
-        packed[1 + size + world.rank] = position[0] % _EXACT
-        packed[1 + 2 * size + world.rank] = position[1] % _EXACT
+        # ranks are a few steps apart. fill_ passes the number to the kernel as an argument;
+        # assigning a Python number (`packed[i] = n`) would copy it from pageable host memory,
+        # which waits for the device.
+        packed[1 + size + world.rank].fill_(position[0] % _EXACT)
+        packed[1 + 2 * size + world.rank].fill_(position[1] % _EXACT)
         comm.all_reduce(packed, group=world, tag="norm")
-        values = packed.tolist()  # the step's one host read (see run's note)
+        # The step's one host read (see run's note; docs/gpu-streams.md). The GPU check's
+        # host-sync row allows exactly this one per step (benchmarks/gpu_check/syncs.py).
+        values = packed.tolist()
         norm = packed[0].sqrt()  # the float32 square root, as the norm always was
         finite = math.isfinite(values[0])
         values = values[1:]
         faults.check_positions(world.ranks, values[size : 2 * size], values[2 * size :])
         flags = values[:size]
         return norm, finite, tuple(world.ranks[i] for i, flag in enumerate(flags) if flag != 0)
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """`tensors` grouped by device, in order (one foreach call per device)."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return groups

@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import collectives as comm
+from zeroshard.sharding.layout import current_layout
 from zeroshard.zero import partition as parts
 from zeroshard.zero.partition import PartitionSpec
 
@@ -218,7 +219,7 @@ class Init:
         self._spec: PartitionSpec | None = None
         self._entered = False
         if self.active:
-            group = comm.world_group() if data_parallel_group is None else comm.as_group(data_parallel_group)
+            group = current_layout().world if data_parallel_group is None else comm.as_group(data_parallel_group)
             self._spec = PartitionSpec(group, dtype, bool(pin_memory) and torch.cuda.is_available())
         if module is not None and self.active:
             self._partition_tree(module)

@@ -115,7 +115,7 @@ def uneven_all_to_all() -> dict[str, Any]:
     send = torch.cat([torch.full((j + 1, 2), float(10 * rank + j)) for j in range(world)])
     recv = torch.empty((rank + 1) * world, 2)
     with zeroshard.comm.recording() as log:
-        zeroshard.comm.all_to_all_single(
+        zeroshard.comm.collectives.all_to_all_single(
             recv, send, [rank + 1] * world, [j + 1 for j in range(world)],
             group=zeroshard.comm.world_group(), tag="test",
         )

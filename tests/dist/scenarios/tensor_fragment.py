@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard
+import zeroshard.utils
 from tests.dist.scenarios.common import PRECISION_SECTIONS, full_module_params
 from zeroshard.utils import (
     safe_get_full_fp32_param,
@@ -89,6 +90,17 @@ def scenario(stage: int, mode: str) -> dict[str, Any]:
     out["frozen_getters"] = [safe_get_full_fp32_param(frozen), safe_get_full_grad(frozen),
                              safe_get_full_optimizer_state(frozen, "momentum_buffer"),
                              safe_get_local_fp32_param(frozen), safe_get_local_grad(frozen)]
+    # The same getters by their top-level names (zeroshard.safe_get_full_*).
+    top_level = []
+    for getter, args in ((zeroshard.safe_get_full_fp32_param, ()), (zeroshard.safe_get_full_grad, ()),
+                         (zeroshard.safe_get_full_optimizer_state, ("momentum_buffer",))):
+        try:
+            top_level.append(getter(frozen, *args))
+        except Exception as exc:  # recorded, so the test names what the getter did instead
+            top_level.append(f"{type(exc).__name__}: {exc}")
+    out["frozen_top_level_getters"] = top_level
+    out["same_functions"] = [getattr(zeroshard, name) is getattr(zeroshard.utils, name) for name in
+                             ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state")]
     try:
         safe_set_full_fp32_param(frozen, torch.zeros(frozen.shape))
         out["frozen_setter"] = "accepted"

@@ -143,3 +143,82 @@ def test_hybrid_resume_is_bitexact_and_loads_unsplit(dist_pool, stage: int) -> N
             assert torch.equal(result["loaded"][name], value), f"stage {stage}: {name} after load"
             assert torch.equal(result["plain_loaded"][name], value), f"stage {stage}: {name} loaded unsplit"
             assert torch.equal(result["continued"][name], result["expected"][name]), f"stage {stage}: {name} resumed"
+
+
+# ---------------------------------------------------------------- expert x sequence parallelism
+
+EP_SP_STAGES = [0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def ep_sp_runs(dist_pool):
+    from tests.dist.scenarios.layout_ep_sp import train as train_ep_sp
+
+    return dist_pool(4).run(train_ep_sp, EP_SP_STAGES, timeout=TIMEOUT_S)
+
+
+def expected_groups(rank: int) -> dict[str, tuple[int, ...]]:
+    """World 4, sequence-parallel 2, ep_size 2, written from DeepSpeed 0.19's rules:
+    * EP and EDP: deepspeed/utils/groups.py `_create_expert_and_data_parallel` (its "E + D"
+      path, taken by the MoE layer when the mpu is a sequence-parallel one): expert-parallel
+      groups range(i * ep, (i + 1) * ep), expert-data-parallel groups range(i, world, ep).
+    * SP and data: parallel_state_sp (DeepSpeed's runtime/sequence_parallel/parallel_state_sp):
+      sequence groups are consecutive blocks of sp, data groups the ranks i, i + sp, ...
+    * sequence-data (`_get_sequence_data_parallel_group`, what ZeRO shards dense parameters
+      over): every rank; dense data (`_get_data_parallel_group`, zeroshard's value): the world.
+    """
+    return {
+        "ep": (0, 1) if rank < 2 else (2, 3),
+        "edp": (0, 2) if rank % 2 == 0 else (1, 3),
+        "sp": (0, 1) if rank < 2 else (2, 3),
+        "data": (0, 2) if rank % 2 == 0 else (1, 3),
+        "sp_data": WORLD,
+        "dense": WORLD,
+    }
+
+
+def test_expert_and_sequence_groups_follow_deepspeed(ep_sp_runs) -> None:
+    for rank, results in enumerate(ep_sp_runs):
+        want = expected_groups(rank)
+        for result in results:
+            seen, label = result["groups"], f"rank {rank} stage {result['stage']}"
+            assert seen["one_layout"], f"{label}: the engine's layout is not the process's one layout"
+            assert seen["ep"] == (want["ep"],) * 2, f"{label}: {seen['ep']}"
+            assert seen["edp"] == want["edp"], f"{label}: {seen['edp']}"
+            assert seen["sp"] == (want["sp"],) * 4, f"{label}: {seen['sp']}"
+            assert seen["data"] == (want["data"],) * 3, f"{label}: {seen['data']}"
+            assert seen["sp_data"] == (want["sp_data"],) * 2, f"{label}: {seen['sp_data']}"
+            assert seen["dense_shard"] == want["dense"] and seen["dense_data"] == want["dense"], label
+            assert seen["expert_flats"] == [want["edp"]], f"{label}: {seen['expert_flats']}"
+            assert seen["dense_flats"] == [want["dense"]], f"{label}: {seen['dense_flats']}"
+
+
+def test_expert_and_sequence_parallel_training_equals_single_process(ep_sp_runs) -> None:
+    """3 SGD steps (momentum, clipping active) of an MoE + Ulysses model equal the single-process
+    fp32 reference (tests/dist/scenarios/layout_ep_sp.py).
+
+    Tolerance: atol 1e-6, rtol 1e-5 on parameters (the fp32 reference tolerance of
+    tests/dist/reference.py), atol 1e-6 on losses: the same products summed in another order
+    (each slice's partial sums, the all-to-alls' regrouping, the reduction over 4 ranks), a
+    few fp32 ulps; a wrong group or divisor moves values by whole fractions."""
+    for rank, results in enumerate(ep_sp_runs):
+        for result in results:
+            label = f"rank {rank} stage {result['stage']}"
+            group = rank // 2  # the sample group this rank's sequence slice belongs to
+            index = next(i for i, r in enumerate(results) if r is result)
+            halves = [ep_sp_runs[rank - rank % 2 + i][index]["losses"] for i in range(2)]
+            summed = [a + b for a, b in zip(*halves, strict=True)]  # the slices' losses sum to the group's
+            torch.testing.assert_close(
+                torch.tensor(summed), torch.tensor([step[group] for step in result["ref_losses"]]), atol=1e-6, rtol=0,
+                msg=lambda m, s=label: f"{s}: losses: {m}",
+            )
+            assert result["params"].keys() <= result["ref_params"].keys(), label
+            for name, value in result["params"].items():  # the dense parameters and this rank's experts
+                torch.testing.assert_close(
+                    value, result["ref_params"][name], atol=1e-6, rtol=1e-5,
+                    msg=lambda m, s=label, n=name: f"{s}: {n}: {m}",
+                )
+    for index, result in enumerate(ep_sp_runs[0]):  # between them the ranks hold every expert
+        held = set().union(*(runs[index]["params"].keys() for runs in ep_sp_runs))
+        assert held == result["ref_params"].keys(), f"stage {result['stage']}: {held ^ result['ref_params'].keys()}"
+

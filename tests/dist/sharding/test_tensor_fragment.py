@@ -3,7 +3,10 @@ and bf16): a set value is read back exactly, the module computes with a set mast
 next SGD-with-momentum step applies a set gradient and a set momentum buffer, checked against
 the update computed by hand in fp32 (tolerance: 1 ulp-level, rtol 1e-6, since torch's SGD may
 use its foreach kernel). Local parts of all ranks make up the whole parameter. A frozen
-parameter: the getters answer None and the setters refuse it."""
+parameter: the getters answer None (as DeepSpeed 0.19's: its `safe_get_full_grad` finds no
+`.grad`, no `ds_id` optimizer mapping and no `_hp_mapping` for it), by zeroshard.utils' names
+and by the top-level `zeroshard.safe_get_full_*` alike (one function each), and the setters
+refuse it."""
 
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ def _close(a: dict, b: dict) -> None:
 def test_set_then_get_and_the_next_step_uses_it(results, case) -> None:
     out = results[case]
     assert out["frozen_getters"] == [None] * 5
+    assert out["frozen_top_level_getters"] == [None] * 3
+    assert out["same_functions"] == [True] * 3
     assert "frozen" in out["frozen_setter"]
 
     _equal(out["weights_read"], out["weights"])

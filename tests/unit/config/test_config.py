@@ -1,15 +1,16 @@
-"""load_config: the three key classes, "did you mean", "auto", defaults and the batch triangle."""
+"""resolve_config: the three key classes, "did you mean", "auto", defaults and the batch triangle."""
 
 import json
 import warnings
 
 import pytest
 
-from zeroshard.config.schema import ConfigError, canonical_dtype_name, load_config
+from zeroshard.config.resolve import resolve_config
+from zeroshard.config.schema import ConfigError, canonical_dtype_name
 
 
 def test_empty_config_takes_deepspeed_defaults():
-    cfg = load_config({})
+    cfg = resolve_config({})
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (1, 1, 1)
     assert cfg.gradient_clipping == 1.0
     assert cfg.steps_per_print == 10
@@ -41,8 +42,8 @@ def test_empty_config_takes_deepspeed_defaults():
 
 
 def test_overlap_comm_default_depends_on_stage_as_in_deepspeed():
-    assert load_config({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm is True
-    assert load_config({"zero_optimization": {"stage": 2}}).zero_optimization.overlap_comm is False
+    assert resolve_config({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm is True
+    assert resolve_config({"zero_optimization": {"stage": 2}}).zero_optimization.overlap_comm is False
 
 
 def test_values_as_written_and_from_file(tmp_path):
@@ -58,7 +59,7 @@ def test_values_as_written_and_from_file(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(raw))
     for source in (raw, path, str(path)):
-        cfg = load_config(source, world_size=4)
+        cfg = resolve_config(source, world_size=4)
         assert cfg.train_batch_size == 32
         assert cfg.derived_keys == ["train_batch_size"]
         assert cfg.optimizer.type == "AdamW" and cfg.optimizer.params["lr"] == 3e-4
@@ -91,20 +92,20 @@ def test_values_as_written_and_from_file(tmp_path):
     ],
 )
 def test_batch_triangle_derives_the_missing_side(given, world, expected):
-    cfg = load_config(given, world_size=world)
+    cfg = resolve_config(given, world_size=world)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == expected
 
 
 def test_batch_triangle_inconsistent_shows_the_numbers():
     raw = {"train_batch_size": 96, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}
     with pytest.raises(ConfigError) as info:
-        load_config(raw, world_size=4)
+        resolve_config(raw, world_size=4)
     assert str(info.value) == (
         "train_batch_size=96 != train_micro_batch_size_per_gpu (4) * gradient_accumulation_steps (3) "
         "* world_size (4) = 48. Fix one of them, or drop one key and it will be derived."
     )
     # The same three numbers agree at world size 8.
-    assert load_config(raw, world_size=8).train_batch_size == 96
+    assert resolve_config(raw, world_size=8).train_batch_size == 96
 
 
 @pytest.mark.parametrize(
@@ -119,17 +120,17 @@ def test_batch_triangle_inconsistent_shows_the_numbers():
 )
 def test_batch_triangle_indivisible(given, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        load_config(given, world_size=2)
+        resolve_config(given, world_size=2)
 
 
 def test_batch_sizes_must_be_positive():
     with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=0: Input should be greater than"):
-        load_config({"train_micro_batch_size_per_gpu": 0})
+        resolve_config({"train_micro_batch_size_per_gpu": 0})
 
 
 def test_world_size_must_be_positive():
     with pytest.raises(ConfigError, match=r"world_size=0"):
-        load_config({}, world_size=0)
+        resolve_config({}, world_size=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,12 +163,12 @@ def test_world_size_must_be_positive():
 )
 def test_unknown_keys_get_did_you_mean(raw, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        load_config(raw)
+        resolve_config(raw)
 
 
 def test_every_problem_is_reported_in_one_raise():
     with pytest.raises(ConfigError) as info:
-        load_config({"zero_optimization": {"stgae": 2}, "fp16": {"loss_scale": -1}, "train_batch_size": "auto"})
+        resolve_config({"zero_optimization": {"stgae": 2}, "fp16": {"loss_scale": -1}, "train_batch_size": "auto"})
     assert str(info.value).startswith("invalid config:\n")
     assert len(info.value.problems) == 3
     assert "zero_optimization.stgae: unknown key. Did you mean 'stage'?" in info.value.problems
@@ -192,7 +193,7 @@ def test_every_problem_is_reported_in_one_raise():
 )
 def test_auto_must_be_resolved_before_initialize(raw, path):
     with pytest.raises(ConfigError) as info:
-        load_config(raw)
+        resolve_config(raw)
     assert info.value.problems == [
         f'{path}="auto": "auto" is a placeholder that the Hugging Face integration fills in; zeroshard does not. '
         "Resolve it to a concrete value before initialize."
@@ -219,7 +220,7 @@ def test_auto_must_be_resolved_before_initialize(raw, path):
 )
 def test_not_supported_keys_are_errors(raw, path):
     with pytest.raises(ConfigError, match=rf"^{path}=.*: recognised DeepSpeed key, not supported by zeroshard\. "):
-        load_config(raw)
+        resolve_config(raw)
 
 
 @pytest.mark.parametrize(
@@ -232,7 +233,7 @@ def test_not_supported_keys_are_errors(raw, path):
 )
 def test_not_supported_optimizer_and_scheduler(raw, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        load_config(raw)
+        resolve_config(raw)
 
 
 def test_inert_values_of_unsupported_keys_and_no_effect_knobs_are_accepted_and_listed():
@@ -250,7 +251,7 @@ def test_inert_values_of_unsupported_keys_and_no_effect_knobs_are_accepted_and_l
     }
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every value above leaves behaviour as it is: no warning
-        cfg = load_config(raw)
+        cfg = resolve_config(raw)
     assert sorted(cfg.no_effect_keys) == sorted(
         [
             "wall_clock_breakdown",
@@ -267,11 +268,11 @@ def test_inert_values_of_unsupported_keys_and_no_effect_knobs_are_accepted_and_l
 def test_no_effect_knob_set_to_something_warns_once():
     raw = {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 12345}}
     with pytest.warns(UserWarning, match=r"change nothing here: zero_optimization\.stage3_max_reuse_distance"):
-        cfg = load_config(raw)
+        cfg = resolve_config(raw)
     assert cfg.no_effect_keys == ["zero_optimization.stage3_max_reuse_distance"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_config(raw)  # already warned in this process
+        resolve_config(raw)  # already warned in this process
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,12 +297,14 @@ def test_no_effect_knob_set_to_something_warns_once():
 )
 def test_bad_values_name_the_key(raw, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        load_config(raw)
+        resolve_config(raw)
 
 
 def test_optimizer_type_is_case_insensitive_and_kept_as_written():
-    assert load_config({"optimizer": {"type": "adamw"}}).optimizer.type == "adamw"
-    assert load_config({"optimizer": {"type": "Muon", "params": {"anything": 1}}}).optimizer.params == {"anything": 1}
+    assert resolve_config({"optimizer": {"type": "adamw"}}).optimizer.type == "adamw"
+    assert resolve_config({"optimizer": {"type": "Muon", "params": {"momentum": 0.9}}}).optimizer.params == {
+        "momentum": 0.9
+    }
 
 
 @pytest.mark.parametrize(
@@ -311,17 +314,17 @@ def test_optimizer_type_is_case_insensitive_and_kept_as_written():
 )
 def test_dtype_spellings(name, canonical):
     assert canonical_dtype_name(name) == canonical
-    assert load_config({"data_types": {"grad_accum_dtype": name}}).data_types.grad_accum_dtype == name
+    assert resolve_config({"data_types": {"grad_accum_dtype": name}}).data_types.grad_accum_dtype == name
 
 
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot be read"):
-        load_config(tmp_path / "missing.json")
+        resolve_config(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{ not json")
     with pytest.raises(ConfigError, match=r"is not valid JSON: .* line 1"):
-        load_config(bad)
+        resolve_config(bad)
     arr = tmp_path / "arr.json"
     arr.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"must hold a JSON object"):
-        load_config(arr)
+        resolve_config(arr)

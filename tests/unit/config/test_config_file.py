@@ -10,7 +10,8 @@ import torch
 import zeroshard
 from zeroshard.cli import main
 from zeroshard.config.file import MAX_DEPTH
-from zeroshard.config.schema import ConfigError, load_config
+from zeroshard.config.resolve import resolve_config
+from zeroshard.config.schema import ConfigError
 
 
 def explain_fails(capsys, path) -> str:
@@ -26,13 +27,13 @@ def test_non_utf8_file_is_one_message(tmp_path, capsys):
     err = explain_fails(capsys, path)
     assert f"config file '{path}' is not UTF-8 text (byte 0xe9 at offset" in err and "Save it as UTF-8." in err
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
-        load_config(path)
+        resolve_config(path)
 
 
 def test_utf8_with_bom_is_read(tmp_path):
     path = tmp_path / "bom.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"zero_optimization": {"stage": 1}}).encode())
-    assert load_config(path).zero_optimization.stage == 1
+    assert resolve_config(path).zero_optimization.stage == 1
 
 
 @pytest.mark.parametrize("depth", [MAX_DEPTH + 5, 100_000])
@@ -50,7 +51,7 @@ def test_deeply_nested_dict_is_a_config_error():
         node["a"] = {}
         node = node["a"]
     with pytest.raises(ConfigError, match=f"the config dict is nested more than {MAX_DEPTH} levels deep"):
-        load_config(raw)
+        resolve_config(raw)
     with pytest.raises(ConfigError, match="nested more than"):
         zeroshard.initialize(model=torch.nn.Linear(2, 2), config=raw, dist_init_required=False)
 
@@ -59,7 +60,7 @@ def test_duplicate_keys_are_named(tmp_path, capsys):
     path = tmp_path / "dup.json"
     path.write_text('{"zero_optimization": {"stage": 2, "stage": 3}, "seed": 1, "seed": 1}')
     with pytest.raises(ConfigError) as info:
-        load_config(path)
+        resolve_config(path)
     assert info.value.problems == [
         f"seed: given more than once in config file '{path}' (JSON keeps only the last value). Keep one.",
         f"zero_optimization.stage: given more than once in config file '{path}' (JSON keeps only the last "
@@ -91,7 +92,7 @@ def test_hjson_file_as_deepspeed_reads_it(tmp_path):
     for name in ("ds.hjson", "ds.json"):  # a .json holding HJSON is read too, as DeepSpeed does
         path = tmp_path / name
         path.write_text(text)
-        cfg = load_config(path, world_size=2)
+        cfg = resolve_config(path, world_size=2)
         assert cfg.raw == expected
         assert (cfg.train_batch_size, cfg.zero_optimization.stage) == (16, 3)
         assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
@@ -102,11 +103,11 @@ def test_hjson_duplicate_keys_and_bad_hjson(tmp_path):
     path = tmp_path / "dup.hjson"
     path.write_text("{ seed: 1\n seed: 2 }")
     with pytest.raises(ConfigError, match="^seed: given more than once"):
-        load_config(path)
+        resolve_config(path)
     bad = tmp_path / "bad.hjson"
     bad.write_text("{ seed: [1, 2 }")
     with pytest.raises(ConfigError, match="is not valid HJSON"):
-        load_config(bad)
+        resolve_config(bad)
 
 
 def _engine():

@@ -10,20 +10,22 @@ import torch
 import zeroshard
 import zeroshard.config.schema as config_module
 from zeroshard.config.resolve import resolve_config
-from zeroshard.config.schema import ConfigError, load_config
+from zeroshard.config.schema import ConfigError
 
 
 def test_param_persistence_threshold_is_deepspeeds_alias():
-    cfg = load_config({"zero_optimization": {"stage": 3, "param_persistence_threshold": 1234}})
+    cfg = resolve_config({"zero_optimization": {"stage": 3, "param_persistence_threshold": 1234}})
     assert cfg.zero_optimization.stage3_param_persistence_threshold == 1234
     assert "zero_optimization.stage3_param_persistence_threshold" not in cfg.defaults_applied
-    cfg = load_config({"zero_optimization": {"prefetch_bucket_size": 5e7, "max_live_parameters": 1e9}})
+    cfg = resolve_config({"zero_optimization": {"prefetch_bucket_size": 5e7, "max_live_parameters": 1e9}})
     assert cfg.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
 
 
 def test_alias_and_its_field_together_is_an_error():
     with pytest.raises(ConfigError) as info:
-        load_config({"zero_optimization": {"param_persistence_threshold": 5, "stage3_param_persistence_threshold": 5}})
+        resolve_config(
+            {"zero_optimization": {"param_persistence_threshold": 5, "stage3_param_persistence_threshold": 5}}
+        )
     assert info.value.problems == [
         "zero_optimization.param_persistence_threshold=5: DeepSpeed's other name for "
         "'zero_optimization.stage3_param_persistence_threshold', which is given too. Keep one of them."
@@ -32,7 +34,7 @@ def test_alias_and_its_field_together_is_an_error():
 
 def test_alias_errors_name_the_key_as_written():
     with pytest.raises(ConfigError) as info:
-        load_config({"zero_optimization": {"param_persistence_threshold": "10"}})
+        resolve_config({"zero_optimization": {"param_persistence_threshold": "10"}})
     assert info.value.problems == [
         'zero_optimization.param_persistence_threshold="10": must be an integer. Write 10 without quotes.'
     ]
@@ -55,11 +57,11 @@ def test_legacy_bfloat16_section():
     assert cfg.bf16.enabled and cfg.precision_plan.mode == "bf16"
     assert "bf16.enabled" not in cfg.defaults_applied
     with pytest.raises(ConfigError, match=r"^bfloat16\.enabeld: unknown key\. Did you mean 'enabled'\?$"):
-        load_config({"bfloat16": {"enabeld": True}})
+        resolve_config({"bfloat16": {"enabeld": True}})
     with pytest.raises(ConfigError, match=r'^bfloat16\.enabled="yes": must be true or false'):
-        load_config({"bfloat16": {"enabled": "yes"}})
+        resolve_config({"bfloat16": {"enabled": "yes"}})
     with pytest.raises(ConfigError, match=r"^bfloat16=.*DeepSpeed's other name for 'bf16', which is given too"):
-        load_config({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
+        resolve_config({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
 
 
 @pytest.mark.parametrize(
@@ -106,26 +108,26 @@ def test_micro_batch_and_accumulation_alone_derive_the_batch():
     assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
             engine.gradient_accumulation_steps()) == (15, 3, 5)
     assert engine.config.derived_keys == ["train_batch_size"]
-    assert load_config({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5},
+    assert resolve_config({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5},
                        world_size=4).train_batch_size == 60
 
 
 @pytest.mark.parametrize("written, stored", [("Ignore", "Ignore"), ("WARN", "Warn"), ("fail", "Fail")])
 def test_checkpoint_tag_validation(written, stored):
-    cfg = load_config({"checkpoint": {"tag_validation": written}})
+    cfg = resolve_config({"checkpoint": {"tag_validation": written}})
     assert cfg.checkpoint.tag_validation == stored
     assert "checkpoint.tag_validation" not in cfg.no_effect_keys
 
 
 def test_checkpoint_tag_validation_default_and_errors():
-    assert load_config({}).checkpoint.tag_validation == "Warn"  # DeepSpeed's default
+    assert resolve_config({}).checkpoint.tag_validation == "Warn"  # DeepSpeed's default
     with pytest.raises(ConfigError, match=r"^checkpoint\.tag_validation=\"Sometimes\": Input should be 'Ignore', "):
-        load_config({"checkpoint": {"tag_validation": "Sometimes"}})
+        resolve_config({"checkpoint": {"tag_validation": "Sometimes"}})
     with pytest.raises(ConfigError, match=r"^checkpoint\.tag_validaton: unknown key\. Did you mean 'tag_validation'"):
-        load_config({"checkpoint": {"tag_validaton": "Warn"}})
+        resolve_config({"checkpoint": {"tag_validaton": "Warn"}})
     with pytest.raises(ConfigError, match=r"^checkpoint\.load_universal=true: recognised DeepSpeed key, not supported"):
-        load_config({"checkpoint": {"load_universal": True}})
-    cfg = load_config({"checkpoint": {"use_node_local_storage": False, "load_universal": False}})
+        resolve_config({"checkpoint": {"load_universal": True}})
+    cfg = resolve_config({"checkpoint": {"use_node_local_storage": False, "load_universal": False}})
     assert cfg.no_effect_keys == ["checkpoint.use_node_local_storage", "checkpoint.load_universal"]
 
 

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from zeroshard.config.schema import load_config
+from zeroshard.config.resolve import resolve_config
 from zeroshard.demo.cli import build_parser, child_env, main, torchrun_command
 from zeroshard.demo.train import RunDirMismatch, check_run_dir, default_config, parse_args
 
 
 def test_embedded_config_is_valid_and_fp32_on_cpu() -> None:
-    config = load_config(default_config(total_steps=300, on_gpu=False), world_size=2)
+    config = resolve_config(default_config(total_steps=300, on_gpu=False), world_size=2)
     assert config.zero_optimization.stage == 2
     assert config.train_batch_size == 16 * 1 * 2
     assert config.optimizer.type == "AdamW"
@@ -23,7 +23,7 @@ def test_embedded_config_is_valid_and_fp32_on_cpu() -> None:
 
 
 def test_embedded_config_is_bf16_on_gpu() -> None:
-    config = load_config(default_config(total_steps=10, on_gpu=True), world_size=8)
+    config = resolve_config(default_config(total_steps=10, on_gpu=True), world_size=8)
     assert config.bf16.enabled
     # Warmup never exceeds the run: a 10-step run warms up for 1 step.
     assert config.scheduler.params["warmup_num_steps"] == 1

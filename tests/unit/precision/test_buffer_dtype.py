@@ -7,7 +7,7 @@ from torch import nn
 
 import zeroshard
 from zeroshard.config.resolve import resolve_config
-from zeroshard.config.schema import ConfigError, load_config
+from zeroshard.config.schema import ConfigError
 
 
 class Rotary(nn.Module):
@@ -72,4 +72,4 @@ def test_buffer_dtype_casts_floating_buffers_only():
 def test_buffer_dtype_is_validated():
     assert resolve_config({"data_types": {"buffer_dtype": "float16"}}).precision_plan.buffer_dtype == torch.float16
     with pytest.raises(ConfigError, match=r'^data_types\.buffer_dtype="int8": unknown dtype'):
-        load_config({"data_types": {"buffer_dtype": "int8"}})
+        resolve_config({"data_types": {"buffer_dtype": "int8"}})

@@ -4,14 +4,22 @@ import pytest
 import torch
 from torch import nn
 
-from zeroshard.config.schema import ConfigError, load_config
+from zeroshard.config.schema import ConfigError, _check_config
 from zeroshard.precision.plan import assign_param_groups, resolve_precision_plan
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
+def checked_key_by_key(raw):
+    """The config before the resolve pass (`resolve_config` would raise the precision
+    problems these tests hand to `resolve_precision_plan` themselves)."""
+    cfg, problems, _ = _check_config(raw)
+    assert problems == [], problems
+    return cfg
+
+
 def plan_for(raw):
-    return resolve_precision_plan(load_config(raw))
+    return resolve_precision_plan(checked_key_by_key(raw))
 
 
 def roles(group):
@@ -212,7 +220,7 @@ def test_group_assignment_outside_autocast_is_one_group():
     ],
 )
 def test_precision_rules(raw, pattern):
-    cfg = load_config(raw)
+    cfg = checked_key_by_key(raw)
     with pytest.raises(ConfigError, match=pattern):
         resolve_precision_plan(cfg)
 
@@ -224,8 +232,8 @@ def test_fp32_communication_is_always_allowed():
 
 
 def test_all_precision_problems_in_one_raise():
-    cfg = load_config({"fp16": {"enabled": True}, "bf16": {"enabled": True, "bf16_optimizer_states": True},
-                       "torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["x.Y"]}})
+    cfg = checked_key_by_key({"fp16": {"enabled": True}, "bf16": {"enabled": True, "bf16_optimizer_states": True},
+                              "torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["x.Y"]}})
     with pytest.raises(ConfigError) as info:
         resolve_precision_plan(cfg)
     assert len(info.value.problems) == 4

@@ -6,7 +6,7 @@ parameter counts below are multiples of W wherever a formula divides by W.
 
 import pytest
 
-from zeroshard.config.schema import load_config
+from zeroshard.config.resolve import resolve_config
 from zeroshard.precision.plan import resolve_precision_plan
 from zeroshard.tools.memory import (
     bytes_per_param,
@@ -21,7 +21,7 @@ P, W = 8_000_000, 8  # P divisible by W: no padding in the formula checks
 
 
 def plan_for(raw):
-    return resolve_precision_plan(load_config(raw))
+    return resolve_precision_plan(resolve_config(raw))
 
 
 @pytest.mark.parametrize("low", ["bf16", "fp16"])
@@ -140,7 +140,7 @@ def test_buffers_are_bounded_by_buckets_and_units():
 
 
 def test_estimate_for_config_reads_stage_buckets_and_optimizer():
-    cfg = load_config({
+    cfg = resolve_config({
         "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
         "fp16": {"enabled": True, "loss_scale": 0},
         "data_types": {"grad_accum_dtype": "fp16"},

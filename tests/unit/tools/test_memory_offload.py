@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from zeroshard.config.schema import load_config
+from zeroshard.config.resolve import resolve_config
 from zeroshard.precision.plan import resolve_precision_plan
 from zeroshard.tools.explain import explain_text
 from zeroshard.tools.memory import estimate_memory
@@ -17,7 +17,7 @@ P, W, SHARD = 1000, 2, 500
 
 
 def plan_for(raw):
-    return resolve_precision_plan(load_config(raw))
+    return resolve_precision_plan(resolve_config(raw))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -8,7 +8,7 @@
     layer.shared_experts / shared_expert... the model's own dense modules, unchanged
 
 Local expert j is global expert `ep_rank * L + j`, ep_rank = rank % ep_size (expert-parallel
-groups are consecutive ranks, zeroshard/sharding/groups.py). The forward computes what the
+groups are consecutive ranks, zeroshard/sharding/layout.py). The forward computes what the
 Hugging Face block computes (zeroshard/moe/autoep/presets.py describes each
 family's routing), with a dropless all-to-all in between (auto_ep_dispatch.py).
 """
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from zeroshard.comm.collectives import Group
 from zeroshard.moe.autoep.dispatch import combine, dispatch
 from zeroshard.moe.autoep.presets import RoutingSettings
-from zeroshard.sharding import groups
+from zeroshard.sharding.layout import ParallelLayout, current_layout, expert_group_name
 
 __all__ = ["AutoEPMoELayer", "AutoEPRouter", "GroupedExperts", "RouterGate"]
 
@@ -145,7 +145,7 @@ class AutoEPMoELayer(nn.Module):
         self.ep_size = ep_size
         self.ep_rank = ep_rank
         self.num_local_experts = settings.num_experts // ep_size
-        self.ep_group_name = groups.expert_group_name(ep_size)
+        self.ep_group_name = expert_group_name(ep_size)
         self.ep_group: Group | None = None
         self.settings = settings
         bias = getattr(hf_router, preset.selection_bias, None) if preset.selection_bias else None
@@ -177,10 +177,10 @@ class AutoEPMoELayer(nn.Module):
         self.tokens_per_expert: Tensor | None = None
         self.count_tokens = False
 
-    def set_deepspeed_parallelism(self) -> None:
-        """Build (once per size, collectively) and attach the expert-parallel group."""
-        groups._create_expert_and_data_parallel(self.ep_size)
-        self.ep_group = groups._get_expert_parallel_group(self.ep_group_name)
+    def set_deepspeed_parallelism(self, layout: ParallelLayout | None = None) -> None:
+        """Attach the expert-parallel group of `layout` (the engine's; else the process's one
+        layout, which builds it once per size, collectively)."""
+        self.ep_group, _ = (layout if layout is not None else current_layout()).expert_groups(self.ep_size)
 
     def global_expert_index(self, local_index: int) -> int:
         return self.ep_rank * self.num_local_experts + local_index

@@ -18,7 +18,7 @@ from torch import nn
 from zeroshard.comm import collectives as comm
 from zeroshard.moe.autoep.layer import AutoEPMoELayer
 from zeroshard.moe.autoep.presets import RoutingSettings, resolve_routing
-from zeroshard.sharding.groups import check_ep_size
+from zeroshard.sharding.layout import check_ep_size, current_layout
 from zeroshard.zero.init import gather_partitioned
 
 __all__ = ["replace_moe_layers", "autoep_layers", "AutoEPMoELayer"]
@@ -64,7 +64,7 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
             f"with children {preset.router_pattern!r} (router) and {preset.experts_pattern!r} (experts). Set "
             "preset_model, or moe_layer_pattern / router_pattern / expert_pattern to the model's names."
         )
-    ep_rank = comm.rank() % cfg.autoep_size
+    ep_rank = current_layout().expert_parallel_rank(cfg.autoep_size)
     recorder = _router_logits_recorder(model)
     for name, module in targets:
         # A block built under zero.Init holds only this rank's parts: make it whole (one block

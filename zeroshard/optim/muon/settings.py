@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from zeroshard.config.suggest import did_you_mean
 from zeroshard.optim.muon.newton_schulz import DEFAULT_NS_STEPS, NS_DTYPE_NAMES, NS_METHODS
 
 DEFAULT_EXCLUDE_PATTERNS = ("embed", "lm_head")
@@ -78,8 +78,7 @@ def muon_param_problems(params: Mapping[str, Any] | None) -> list[str]:
     problems: list[str] = []
     for key in params:
         if key not in CONFIG_KEYS:
-            close = difflib.get_close_matches(key, sorted(CONFIG_KEYS), n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else f" Known keys: {', '.join(sorted(CONFIG_KEYS))}."
+            hint = did_you_mean(key, CONFIG_KEYS, known="Known keys")
             problems.append(f"optimizer.params.{key}: unknown key for optimizer type 'Muon'.{hint}")
     for key in ("lr", "muon_lr", "adam_lr", "weight_decay", "eps"):
         _number(problems, params, key, 0.0)

@@ -1,0 +1,137 @@
+"""Entry point: python -m benchmarks.gpu_check OUTDIR [--device cuda|cpu] [--quick]
+(from the repository root, with it on PYTHONPATH; scripts/gpu_check.sh does both)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.gpu_check.report import Report, Skip
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(device: torch.device) -> None:
+    """A process group of one: gloo on the CPU; NCCL for CUDA tensors (gloo beside it for CPU
+    ones, e.g. offloaded state), the device bound as zeroshard.init_distributed binds it."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def experts_row(device: torch.device, quick: bool) -> dict:
+    """The expert-path benchmark (benchmarks/moe_experts.py, built on another branch) when it
+    exists; its exit status and output's tail."""
+    script = REPO / "benchmarks" / "moe_experts.py"
+    if not script.exists():
+        raise Skip("benchmarks/moe_experts.py is not in this checkout")
+    timeout = 90 if not quick else 60
+    cmd = [sys.executable, str(script), "--device", device.type] + (["--quick"] if quick else [])
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if result.returncode == 2 and "usage:" in result.stderr:  # its options differ: run its defaults
+        cmd = [sys.executable, str(script)]
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    tail = (result.stdout + result.stderr)[-1500:]
+    if result.returncode != 0:
+        return "FAIL", {"rc": result.returncode, "cmd": " ".join(cmd[1:])}, tail
+    return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": tail.strip().splitlines()[-8:]}, ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__)
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="the exploratory run: a 30 s model benchmark")
+    parser.add_argument("--only", default="", help="comma-separated row-name prefixes to run (debugging)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda but no CUDA device is available", file=sys.stderr)
+        return 2
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    on_gpu = device.type == "cuda"
+    meta = {
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0) if on_gpu else platform.processor() or "cpu",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "quick": args.quick, "argv": sys.argv,
+    }
+    report = Report(args.outdir, meta)
+    init_group(device)
+    only = [p for p in args.only.split(",") if p]
+    started = time.perf_counter()
+
+    def row(name, check, budget):
+        if only and not any(name.startswith(p) for p in only):
+            return None
+        return report.run(name, check, budget)
+
+    from benchmarks.gpu_check import conformance, model_bench, numerics, syncs
+
+    for stage in conformance.STAGES:
+        for mode in conformance.MODES:
+            row(f"a/conformance s{stage} {mode}", lambda s=stage, m=mode: conformance.conformance(s, m), 60)
+    for mode in conformance.MODES:  # informational: the two devices' kernels, no engine
+        row(f"a/reference-vs-cpu {mode}", lambda m=mode: conformance.reference_device_vs_cpu(m, device), 60)
+    if on_gpu:
+        syncs.print_allow_list()
+    for stage in conformance.STAGES:
+        row(f"b/sync-debug s{stage} bf16", lambda s=stage: syncs.steady_state_syncs(s), 60)
+    row("c/newton-schulz fp16 gram", lambda: numerics.newton_schulz(device, big=on_gpu), 60)
+    for stage in (2, 3):
+        row(f"d/offload s{stage} pinned", lambda s=stage: numerics.offload(s), 90)
+    row("e/moe layer vs cpu", lambda: numerics.moe_layer(device), 60)
+    row("e/autoep mixtral vs cpu", lambda: numerics.autoep_layer(device), 90)
+    row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 200 if not args.quick else 130)
+
+    size = model_bench.BenchSize.for_device(device, args.quick)
+    box: dict = {}
+
+    def matmul():
+        box["matmul"] = model_bench.matmul_tflops(device)["tflops"]
+        return {"tflops": box["matmul"], "model": size.preset, "seq": size.seq, "micro": size.micro}
+
+    row("f/matmul bf16", matmul, 60)
+    # The whole model benchmark: ~3.5 min on an H100; the quick run's 30 s.
+    bench_budget = 30 if args.quick else 210
+    bench_start = time.perf_counter()
+    for engine in model_bench.ENGINES:
+        left = bench_budget - (time.perf_counter() - bench_start)
+        if left <= 0:
+            row(f"f/model {engine}", lambda: (_ for _ in ()).throw(Skip("model benchmark's time used up")), 5)
+            continue
+        row(f"f/model {engine}",
+            lambda e=engine: model_bench.bench_engine(e, size, device, box.get("matmul")),
+            max(left, 20 if args.quick else 60))
+    report.meta["seconds"] = round(time.perf_counter() - started, 1)
+    report._write()
+    table = report.table()
+    (args.outdir / "gpu_check.txt").write_text(table + "\n")
+    print(table, flush=True)
+    dist.destroy_process_group()
+    return 0 if all(r.status != "FAIL" for r in report.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# zeroshard's GPU check (issue 25): conformance, host syncs, Newton-Schulz, offload, MoE and the
+# model benchmark on one device, one row each; results in OUTDIR/gpu_check.json (rewritten after
+# every row) and OUTDIR/gpu_check.txt (the table, printed last). See docs/benchmarks.md.
+#
+#   bash scripts/gpu_check.sh OUTDIR [--device cuda|cpu] [--quick]
+#
+# With a .whl/ folder in the repository root (scripts/gpu_wheels.sh fills it), its wheels are
+# installed first with no network into $GPU_CHECK_SITE (default /tmp/site), put ahead on
+# PYTHONPATH: the GPU machine lacks pydantic and hjson. GPU_CHECK_NO_WHEELS=1 skips that.
+# PYTHON picks the interpreter (default python3). Exit status: 0 when no row failed.
+set -u
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+if [ $# -lt 1 ]; then
+    echo "usage: bash scripts/gpu_check.sh OUTDIR [--device cuda|cpu] [--quick]" >&2
+    exit 2
+fi
+OUT=$1
+shift
+PY=${PYTHON:-python3}
+SITE=${GPU_CHECK_SITE:-/tmp/site}
+EXTRA=""
+if [ -z "${GPU_CHECK_NO_WHEELS:-}" ] && ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$REPO"/.whl/*.whl; then
+        EXTRA="$SITE:"
+    else
+        echo "gpu_check.sh: installing .whl/ failed; going on without it" >&2
+    fi
+fi
+export PYTHONPATH="${EXTRA}${REPO}${PYTHONPATH:+:$PYTHONPATH}"
+cd "$REPO"
+exec "$PY" -m benchmarks.gpu_check "$OUT" "$@"
