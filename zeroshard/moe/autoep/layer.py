@@ -111,6 +111,8 @@ class GroupedExperts(nn.Module):
             grouped path (zeroshard/moe/autoep/expert_paths.py `choose_path`).
         force_native_grouped_mm: DeepSpeed's ``disable_triton_grouped_mm``: torch._grouped_mm
             wherever torch runs it for the device and dtype, not only where it is the fast one.
+        path: a fixed path ("loop", "bmm", "grouped_mm") for benchmarks and debugging;
+            None (default): chosen per forward.
         last_path: the path the latest forward took.
     """
 
@@ -125,6 +127,7 @@ class GroupedExperts(nn.Module):
             p.group_name = group_name
         self.use_grouped_mm = True
         self.force_native_grouped_mm = False
+        self.path: ExpertPath | None = None
         self.last_path: ExpertPath | None = None
 
     @property
@@ -134,7 +137,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         """x [N, hidden], rows grouped by local expert (`counts` rows each). Every expert runs,
         an empty one on zero rows, so each slice of the weights gets a gradient (zeros)."""
-        path = choose_path(x, counts, self.w1, self.use_grouped_mm, self.force_native_grouped_mm)
+        path = self.path or choose_path(x, counts, self.w1, self.use_grouped_mm, self.force_native_grouped_mm)
         self.last_path = path
         return run_experts(path, x, counts, self.w1, self.w2, self.w3, self.act_fn)
 
