@@ -8,10 +8,12 @@ picks itself), forward + backward, medians over repeats.
 
 The block is a DeepSeek-V3 MoE block (Moonlight's routing) built from a config: 64 experts,
 top-6, 2 shared experts; hidden 256 / expert ffn 176 and 1024 tokens on CPU, Moonlight's 2048 /
-1408 and 16384 tokens on CUDA (each a flag). With `--deepspeed-python`, DeepSpeed's own AutoEP
-layer on the same block (same seed, same weights) runs in that interpreter for a third of the
-time; a path it cannot run is a row with the reason. The whole run ends within `--seconds`
-(setup included; at least one round of rows always runs). A benchmark, not a test: nothing
+1408 and 16384 tokens on CUDA (each a flag). With `--deepspeed-python`, the run moves to that
+interpreter (zeroshard from this checkout on its PYTHONPATH) and DeepSpeed's own AutoEP layer
+on the same block (its loop, use_grouped_mm false, and its grouped path) takes turns with
+zeroshard's rows in one process; a path it cannot run is a row with the reason. The run ends
+within `--seconds` from the start of main() (setup and one untimed step per row included; the
+interpreter's start and torch's import before it are not). A benchmark, not a test: nothing
 asserts.
 """
 
@@ -31,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.moe_experts_worker import add_shape_args, fill_defaults, run  # noqa: E402
 
 WORKER = Path(__file__).with_name("moe_experts_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _deepspeed(args: argparse.Namespace, seconds: float) -> dict:
-    """DeepSpeed's rows from its own interpreter, or a row saying why there are none."""
+    """Every row, from DeepSpeed's interpreter, or a row saying why there are none."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [args.deepspeed_python, str(WORKER), "--engine", "deepspeed", "--out", str(out),
@@ -43,7 +46,7 @@ def _deepspeed(args: argparse.Namespace, seconds: float) -> dict:
                "--top-k", str(args.top_k), "--shared", str(args.shared), "--dtype", args.dtype]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, seconds),
-                                  env={**os.environ, "DS_BUILD_OPS": "0", "PYTHONPATH": ""})
+                                  env={**os.environ, "DS_BUILD_OPS": "0", "PYTHONPATH": str(ROOT)})
         except FileNotFoundError:
             return {"rows": [{"engine": "deepspeed", "path": "-", "error": f"no interpreter {args.deepspeed_python}"}]}
         except subprocess.TimeoutExpired:
@@ -78,12 +81,11 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "--device cuda: no CUDA device is available to this torch build.\n")
-    share = args.seconds * (2 / 3 if args.deepspeed_python else 1.0)
-    result = run(args, "zeroshard", start + share - 1.0)
     if args.deepspeed_python:
-        theirs = _deepspeed(args, args.seconds - (time.monotonic() - start) - 1.0)
-        result["rows"] += theirs["rows"]
-        result["deepspeed_torch"] = theirs.get("torch")
+        result = _deepspeed(args, args.seconds - (time.monotonic() - start) - 1.0)
+        result.setdefault("facts", {})
+    else:
+        result = run(args, "zeroshard", start + args.seconds - 1.0)
     result["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "deepspeed_python")}
     result["device_name"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result["seconds_used"] = round(time.monotonic() - start, 1)

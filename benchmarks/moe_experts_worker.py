@@ -4,8 +4,8 @@ routing, scaled down) swapped by the engine's AutoEP, timed forward + backward p
     python benchmarks/moe_experts_worker.py --engine deepspeed --seconds 20 --out rows.json
 
 Runs under zeroshard's interpreter (engine "zeroshard", also imported by moe_experts.py) or a
-DeepSpeed virtualenv's (engine "deepspeed"); both build the same Hugging Face block from the
-same seed, so the weights and the routing are the same. Rows take turns, one timed forward +
+DeepSpeed virtualenv's (engine "deepspeed": DeepSpeed's layers and zeroshard's, from the same
+Hugging Face block, so the weights and the routing are the same). Rows take turns, one timed forward +
 backward each per round, each while its last step time still fits before the deadline: a slow
 phase of a shared machine falls on every row alike.
 """
@@ -119,7 +119,7 @@ def _deepspeed_rows(model: nn.Module, args: argparse.Namespace, x: torch.Tensor)
     errors = {}
     for name, grouped in (("loop", False), ("grouped_mm", True)):
         try:
-            candidate = copy.deepcopy(model)
+            candidate = copy.deepcopy(model)  # the block itself stays for zeroshard's swap
             autoep = AutoEP(candidate, parse_autoep_config({"enabled": True, "autoep_size": 1,
                                                              "use_grouped_mm": grouped}))
             autoep.replace_moe_layers(autoep.ep_parser(), 1, 0)
@@ -146,17 +146,25 @@ def _sync(device: str) -> None:
 
 
 def run(args: argparse.Namespace, engine: str, deadline: float) -> dict[str, Any]:
-    """Rows for one engine, timed until `deadline` (time.monotonic())."""
+    """zeroshard's rows (engine "zeroshard"), or DeepSpeed's and zeroshard's taking turns in
+    this one process (engine "deepspeed", under DeepSpeed's interpreter), timed until
+    `deadline` (time.monotonic())."""
     torch.set_grad_enabled(True)
     model = build_model(args)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, args.tokens, args.hidden, generator=g).to(args.device, DTYPES[args.dtype])
     grad = torch.randn(1, args.tokens, args.hidden, generator=g).to(args.device, DTYPES[args.dtype])
-    if engine == "zeroshard":
-        layer, setups, facts = _zeroshard_rows(model, args, x)
-        layers = {name: layer for name in setups}
-    else:
-        layers, setups, facts = _deepspeed_rows(model, args, x)
+    layers: dict[str, nn.Module] = {}
+    setups: dict[str, Any] = {}
+    facts: dict[str, Any] = {}
+    if engine == "deepspeed":  # DeepSpeed's layers first: the zeroshard swap replaces the block
+        ds_layers, _, facts = _deepspeed_rows(model, args, x)
+        layers.update({f"deepspeed {name}": layer for name, layer in ds_layers.items()})
+        facts["errors"] = {f"deepspeed {name}": e for name, e in facts.get("errors", {}).items()}
+    layer, zs_setups, zs_facts = _zeroshard_rows(model, args, x)
+    layers.update({f"zeroshard {name}": layer for name in zs_setups})
+    setups.update({f"zeroshard {name}": setup for name, setup in zs_setups.items()})
+    facts.update(zs_facts)
     times: dict[str, list[float]] = {name: [] for name in layers}
     taken: dict[str, set[str]] = {name: set() for name in layers}
     # Untimed first step of each layer (first-call allocations); it is also each row's first
@@ -185,6 +193,8 @@ def run(args: argparse.Namespace, engine: str, deadline: float) -> dict[str, Any
             times[name].append(estimate[name])
             ran = True
             path = getattr(getattr(layer, "experts", None), "last_path", None)
+            if path is None and name.startswith("deepspeed"):
+                path = "use_grouped_mm=" + str(getattr(layer.experts, "use_grouped_mm", "?"))
             if path:
                 taken[name].add(path)
         if not ran:
@@ -192,13 +202,15 @@ def run(args: argparse.Namespace, engine: str, deadline: float) -> dict[str, Any
     rows = []
     for name in layers:
         median = statistics.median(times[name]) if times[name] else None
+        row_engine, _, path = name.partition(" ")
         rows.append({
-            "engine": engine, "path": name, "took": sorted(taken[name]), "repeats": len(times[name]),
+            "engine": row_engine, "path": path, "took": sorted(taken[name]), "repeats": len(times[name]),
             "median_ms": None if median is None else round(median * 1e3, 3),
             "tokens_per_s": None if median is None else round(args.tokens / median, 1),
         })
     for name, reason in facts.pop("errors", {}).items():
-        rows.append({"engine": engine, "path": name, "error": reason})
+        row_engine, _, path = name.partition(" ")
+        rows.append({"engine": row_engine, "path": path, "error": reason})
     return {"rows": rows, "facts": facts, "torch": torch.__version__}
 
 
