@@ -41,7 +41,8 @@ def _deepspeed(args: argparse.Namespace, seconds: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [args.deepspeed_python, str(WORKER), "--engine", "deepspeed", "--out", str(out),
-               "--seconds", f"{max(1.0, seconds - 2):.1f}", "--device", args.device, "--tokens", str(args.tokens),
+               "--seconds", f"{max(1.0, seconds - 2):.1f}", "--until", f"{time.time() + seconds - 5:.3f}",
+               "--device", args.device, "--tokens", str(args.tokens),
                "--hidden", str(args.hidden), "--ffn", str(args.ffn), "--experts", str(args.experts),
                "--top-k", str(args.top_k), "--shared", str(args.shared), "--dtype", args.dtype]
         try:

@@ -219,10 +219,14 @@ def main() -> None:
     add_shape_args(parser)
     parser.add_argument("--engine", choices=("zeroshard", "deepspeed"), required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--until", type=float, default=None,
+                        help="time.time() to end by (the caller's clock, so this interpreter's start counts)")
     args = fill_defaults(parser.parse_args())
-    start = time.monotonic()
+    deadline = time.monotonic() + args.seconds
+    if args.until is not None:
+        deadline = min(deadline, time.monotonic() + args.until - time.time())
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    result = run(args, args.engine, start + args.seconds)
+    result = run(args, args.engine, deadline)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 

@@ -137,6 +137,7 @@ def test_choose_path_rule_cpu() -> None:
     assert choose_path(x64, even, w64, use_grouped_mm=True, force_native_grouped_mm=False) == "bmm"
     assert choose_path(x64, skewed, w64, use_grouped_mm=True, force_native_grouped_mm=False) == "loop"
     assert choose_path(x64, [7], w64[:1], use_grouped_mm=True, force_native_grouped_mm=False) == "loop"
+    assert choose_path(x64, [0, 0, 0, 0], w64, use_grouped_mm=True, force_native_grouped_mm=True) == "loop"
     # float64 has no torch._grouped_mm: forcing it falls back to the rule.
     assert choose_path(x64, even, w64, use_grouped_mm=True, force_native_grouped_mm=True) == "bmm"
     # On CPU the automatic choice never takes torch._grouped_mm (not its fast device).

@@ -143,7 +143,7 @@ def choose_path(
     disable_triton_grouped_mm), else bmm while the padding is under `BMM_MAX_PADDING`, else
     the loop.
     """
-    if not use_grouped_mm:
+    if not use_grouped_mm or sum(counts) == 0:  # no rows: the loop's empty matmuls cost nothing
         return "loop"
     if (force_native_grouped_mm or grouped_mm_is_fast(x)) and grouped_mm_available(x, w1):
         return "grouped_mm"
