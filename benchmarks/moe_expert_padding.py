@@ -50,8 +50,11 @@ def main() -> None:
     parser.add_argument("--experts", default="64,8", help="local experts per load, comma-separated")
     parser.add_argument("--rows", default="16,96", help="mean rows per expert, comma-separated")
     parser.add_argument("--skews", default="0,1,2", help="routing skews, comma-separated")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     loads = [(int(e), int(r), float(s)) for e in args.experts.split(",") for r in args.rows.split(",")
              for s in args.skews.split(",")]
     share = args.seconds / len(loads)

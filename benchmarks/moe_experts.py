@@ -45,6 +45,8 @@ def _deepspeed(args: argparse.Namespace, seconds: float) -> dict:
                "--device", args.device, "--tokens", str(args.tokens),
                "--hidden", str(args.hidden), "--ffn", str(args.ffn), "--experts", str(args.experts),
                "--top-k", str(args.top_k), "--shared", str(args.shared), "--dtype", args.dtype]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, seconds),
                                   env={**os.environ, "DS_BUILD_OPS": "0", "PYTHONPATH": str(ROOT)})
@@ -59,14 +61,14 @@ def _deepspeed(args: argparse.Namespace, seconds: float) -> dict:
 
 
 def _table(result: dict) -> str:
-    lines = [f"{'engine':<10} {'path':<11} {'took':<16} {'repeats':>7} {'median ms':>10} {'tokens/s':>10}"]
+    lines = [f"{'engine':<10} {'path':<11} {'took':<22} {'repeats':>7} {'median ms':>10} {'tokens/s':>10}"]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"{r['engine']:<10} {r['path']:<11} not run: {r['error']}")
             continue
         ms = "-" if r["median_ms"] is None else f"{r['median_ms']:.2f}"
         tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
-        lines.append(f"{r['engine']:<10} {r['path']:<11} {','.join(r['took']) or '-':<16} {r['repeats']:>7} "
+        lines.append(f"{r['engine']:<10} {r['path']:<11} {','.join(r['took']) or '-':<22} {r['repeats']:>7} "
                      f"{ms:>10} {tps:>10}")
     return "\n".join(lines)
 

@@ -36,6 +36,7 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--shared", type=int, default=2, help="shared experts")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="cpu fp32, cuda bf16")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
 def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -150,6 +151,8 @@ def run(args: argparse.Namespace, engine: str, deadline: float) -> dict[str, Any
     this one process (engine "deepspeed", under DeepSpeed's interpreter), timed until
     `deadline` (time.monotonic())."""
     torch.set_grad_enabled(True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = build_model(args)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, args.tokens, args.hidden, generator=g).to(args.device, DTYPES[args.dtype])

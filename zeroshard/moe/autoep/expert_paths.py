@@ -9,8 +9,8 @@ picks one (`choose_path`). Each computes, for local expert j and its `counts[j]`
 - "grouped_mm": `torch._grouped_mm` with the groups' end offsets (no padding). Used only
   where torch provides it for the device and dtype (probed once, not by torch version).
 
-Measured on CPU (benchmarks/moe_experts.py, docs/moe.md): bmm beats the loop while the
-padding is a small part of the batch; `BMM_MAX_PADDING` is that bound.
+On CPU the choice between bmm and the loop is measured (`BMM_MAX_PADDING` below);
+torch._grouped_mm is taken automatically only where it is the fast kernel (`grouped_mm_is_fast`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,14 @@ __all__ = [
 
 ExpertPath = Literal["loop", "bmm", "grouped_mm"]
 
-# bmm is chosen while padded rows are at most this fraction of the rows it computes
-# (L * M). Measured on CPU, fp32, forward + backward, hidden 256, ffn 176 (docs/moe.md):
-# bmm / loop time was 0.69-1.02 at padding 0.13-0.29, 0.82-1.49 at 0.38-0.47 and
-# 1.0-2.1 at 0.52-0.60 (64 and 8 experts, 16 and 96 rows per expert).
+# bmm is chosen while padded rows are at most this fraction of the rows it computes (L * M).
+# Measured on a shared 2-core CPU, fp32, forward + backward, hidden 256, ffn 176
+# (benchmarks/moe_expert_padding.py --threads 1; docs/moe.md): bmm / loop time 0.92-1.15 at
+# padding 0.09-0.33, 0.94-1.73 at 0.54-0.63 (64 and 8 experts, 16 and 96 rows each): bmm
+# loses most where groups are large and padded. With torch's 2 threads the whole layer
+# (benchmarks/moe_experts.py, padding 0.22) ran bmm in 0.42-0.57 s and the loop in 2.0 s:
+# the loop's many small matmuls suffer most from threads on a busy machine. The bound keeps
+# bmm where it was never more than 15% slower single-threaded.
 BMM_MAX_PADDING = 0.3
 
 
