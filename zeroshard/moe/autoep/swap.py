@@ -73,6 +73,7 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
         gather_partitioned(list(module.parameters()))
         layer = AutoEPMoELayer(module, settings, cfg.autoep_size, ep_rank)
         layer.count_tokens = cfg.load_balance_coeff is not None
+        layer.set_expert_kernels(cfg.use_grouped_mm, cfg.disable_triton_grouped_mm, cfg.combine_impl)
         if recorder is not None:
             recorder(layer.router.gate, "router_logits", 0)
         parent_name, _, child = name.rpartition(".")
