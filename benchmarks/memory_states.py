@@ -29,7 +29,7 @@ def count_engine_bytes(engine) -> dict[str, int]:
         params += flat.full.untyped_storage().nbytes()
         if flat.param_shard is not None:
             params += flat.param_shard.numel() * flat.param_shard.element_size()
-        for g in (flat.local_grad, flat.reduced_grad):
+        for g in (flat.grads.local, flat.grads.reduced):
             if g is not None:
                 grads += g.numel() * g.element_size()
         master = flat.master

@@ -223,7 +223,7 @@ class ZeroshardRunner:
         flats = self.engine.flats
         counter.add("params", [f.full for f in flats] + [f.param_shard for f in flats])
         counter.add("master_weights", [f.master for f in flats])
-        counter.add("gradients", [f.local_grad for f in flats] + [f.reduced_grad for f in flats])
+        counter.add("gradients", [f.grads.local for f in flats] + [f.grads.reduced for f in flats])
         counter.add("optimizer_state", optimizer_state_tensors(self.optimizer))
         return counter
 

@@ -1,7 +1,8 @@
 """The DeepSpeed engine methods that only report or adjust the engine's state.
 
 `EngineAPI` is mixed into `Engine` (engine.py orchestrates; these are the small accessors and
-controls a DeepSpeed script calls): the config queries, `scale`, `was_step_applied`,
+controls a DeepSpeed script calls): the config queries, DeepSpeed's step counters (kept by the
+engine's `Accumulation`, zeroshard/grads/accumulation.py), `scale`, `was_step_applied`,
 `destroy`, `empty_partition_cache` and `coalesce_grad_reduction`.
 """
 
@@ -15,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from zeroshard.config.schema import ZeroshardConfig
+    from zeroshard.grads.accumulation import Accumulation
 
 
 class _PreScaledLoss(torch.autograd.Function):
@@ -22,8 +24,8 @@ class _PreScaledLoss(torch.autograd.Function):
 
     The engine applies the loss scale where the gradient enters the model (grad_path.py), so a
     plain `loss.backward()` is scaled; a loss that went through `engine.scale` must not be
-    scaled there again. Its backward runs first in the graph task (the loss is the root), sets
-    the engine's flag and queues a callback that clears it when the graph task ends, so the
+    scaled there again. Its backward runs first in the graph task (the loss is the root), marks
+    the engine's accumulation state as prescaled and queues a callback that clears it when the graph task ends, so the
     flag never outlives this one backward, whether or not the loss reached the model.
     """
 
@@ -35,11 +37,11 @@ class _PreScaledLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        engine = ctx.engine
-        engine._backward_prescaled = True
+        state = ctx.engine.accumulation
+        state.set_prescaled(True)
 
         def clear() -> None:
-            engine._backward_prescaled = False
+            state.set_prescaled(False)
 
         torch.autograd.Variable._execution_engine.queue_callback(clear)
         return grad * ctx.scale, None, None
@@ -49,10 +51,7 @@ class EngineAPI:
     """DeepSpeed's query and control methods; expects the attributes `Engine` sets."""
 
     config: ZeroshardConfig
-    _backward_prescaled: bool = False  # set during a backward of a loss from `scale`
-    _step_applied: bool = False
-    _coalesced: bool = False  # a coalesce_grad_reduction block ended: the next step() is the boundary
-    _in_coalesce: bool = False
+    accumulation: Accumulation
 
     # ----------------------------------------------------------------- config
     def fp16_enabled(self) -> bool:
@@ -72,22 +71,49 @@ class EngineAPI:
         """False: `step()` alone is the accumulation boundary (DeepSpeed 0.19's unmanaged mode)."""
         return self.config.managed_gradient_accumulation
 
-    # ------------------------------------------------------------------ state
-    def _count_samples(self) -> None:
-        """DeepSpeed's global_samples, at a boundary step: a train batch per step, or with
-        unmanaged accumulation a micro-batch on every rank per backward since the last step."""
-        backwards = self._grads.backward_count
-        if self.config.managed_gradient_accumulation:
-            self.global_samples += self.config.train_batch_size
-        else:
-            per_backward = self.config.train_micro_batch_size_per_gpu * self.world_size
-            self.global_samples += per_backward * (backwards - self._backwards_at_last_step)
-        self._backwards_at_last_step = backwards
+    # --------------------------------------------------------------- counters
+    # DeepSpeed's attributes; a checkpoint load sets them.
+    @property
+    def micro_steps(self) -> int:
+        """step() calls that counted (a repeated call without a backward does not)."""
+        return self.accumulation.micro_steps
 
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.accumulation.micro_steps = value
+
+    @property
+    def global_steps(self) -> int:
+        """Boundary steps, skipped ones included."""
+        return self.accumulation.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.accumulation.global_steps = value
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.accumulation.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.accumulation.skipped_steps = value
+
+    @property
+    def global_samples(self) -> int:
+        """A train batch per step, or with unmanaged accumulation a micro-batch on every rank
+        per backward."""
+        return self.accumulation.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.accumulation.global_samples = value
+
+    # ------------------------------------------------------------------ state
     def was_step_applied(self) -> bool:
         """Whether the last `step()` changed the parameters: False between accumulation
         boundaries and when a non-finite gradient skipped the update."""
-        return self._step_applied
+        return self.accumulation.step_applied
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current loss scale, for `engine.scale(loss).backward()`.
@@ -112,7 +138,7 @@ class EngineAPI:
         """Free every gathered stage-3 parameter (they are gathered again when next used) and
         return cached accelerator memory. A no-op for parameters kept whole (stages 0-2 and
         stage-3 units under `stage3_param_persistence_threshold`)."""
-        if self._grads.in_backward or self._grads.forward_depth:
+        if self.accumulation.in_backward or self._grads.forward_depth:
             raise RuntimeError("engine.empty_partition_cache(): call it outside forward and backward.")
         if self._grads.params is not None:
             self._grads.params.free_all()  # pins too
@@ -144,15 +170,7 @@ class EngineAPI:
             )
         if self.config.zero_optimization.stage == 0:
             raise NotImplementedError("coalesce_grad_reduction() needs ZeRO stage 1, 2 or 3 (as in DeepSpeed).")
-        grads = self._grads
-        if not grads.sync_enabled:
-            raise RuntimeError("coalesce_grad_reduction() cannot be nested in no_sync() or in itself.")
-        grads.sync_enabled = False
-        self._in_coalesce = True
-        try:
+        with self.accumulation.coalescing():
             yield
-        finally:
-            grads.sync_enabled = True
-            self._in_coalesce = False
-        grads.flush()  # one reduction pass, the same collectives on every rank
-        self._coalesced = True
+        self._grads.flush()  # one reduction pass, the same collectives on every rank
+        self.accumulation.coalesced()

@@ -1,11 +1,11 @@
 """The gradient path: from a parameter's post-accumulate hook to its reduced shard.
 
 One owner, this file (DESIGN section 4); it writes into the flat buffers' gradient buffers
-(zeroshard/sharding/flat.py) and reduces them through the bucketed reducer (zeroshard/grads/reduce.py).
+(zeroshard/grads/buffers.py) and reduces them through the bucketed reducer (zeroshard/grads/reduce.py).
 Follow a gradient:
 
 1. The autograd engine accumulates `p.grad`; the post-accumulate hook (`_make_hook`) moves
-   it into its flat's local buffer (`flat.accumulate`, in the accumulation dtype) and marks
+   it into its flat's local buffer (`flat.grads.accumulate`, in the accumulation dtype) and marks
    the parameter as fired in its unit.
 2. When a unit is ready (every parameter's hook fired, or at stage 3 the backward reached the
    unit's inputs: zeroshard/sharding/schedule.py's note) and this backward reduces
@@ -19,7 +19,7 @@ Follow a gradient:
 3. At the end of the backward (`_finish`, a callback queued on the autograd engine) whatever
    is left is queued (units with parameters that took no part, gradients that arrived late),
    the reducer finishes every bucket and writes each result, divided by world size x k,
-   into `flat.reduced_grad` (the whole gradient at stages 0-1, where `param.grad` then views
+   into `flat.grads.reduced` (the whole gradient at stages 0-1, where `param.grad` then views
    it: zeroshard/grads/views.py; this rank's shard at stages 2-3).
 4. A backward that does not reduce (no_sync, or a non-boundary micro-step at stages 0-1)
    leaves the local gradient; `flush` reduces it before the step.
@@ -40,14 +40,14 @@ How the end of a backward is found, not by counting hooks:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from zeroshard.grads.accumulation import Accumulation
 from zeroshard.grads.reduce import GradientReducer
 from zeroshard.sharding.stages import StagePolicy
 
@@ -117,8 +117,13 @@ class GradientPath:
         units: the engine's units, root first.
         policy: the stage (when backward calls reduce).
         reducer: the bucketed reducer every flat's gradient goes through.
-        loss_scale: returns the current loss scale (1.0 when not scaling).
-        is_boundary: whether the current micro-step is the accumulation boundary.
+        accumulation: where accumulation stands (zeroshard/grads/accumulation.py), shared
+            with the engine: this path marks forwards and backwards there, and reads from it
+            whether a backward reduces.
+        loss_scale: returns the loss scale to apply where a gradient enters the model (1.0
+            when not scaling, or when the loss was scaled already).
+        views: stages 0-1's `param.grad` views of the reduced gradient (None elsewhere).
+        params: stage 3's gather and free schedule (None when parameters stay whole).
     """
 
     def __init__(
@@ -127,26 +132,21 @@ class GradientPath:
         units: list[Unit],
         policy: StagePolicy,
         reducer: GradientReducer,
+        accumulation: Accumulation,
         loss_scale: Callable[[], float],
-        is_boundary: Callable[[], bool],
+        views: GradViews | None = None,
+        params: ParamSchedule | None = None,
     ) -> None:
         self.units = units
         self.reduce_order = list(reversed(units[1:])) + units[:1]
         self.policy = policy
         self.reducer = reducer
+        self.state = accumulation
         self._loss_scale = loss_scale
-        self._is_boundary = is_boundary
-        self.params: ParamSchedule | None = None  # stage 3's schedule, attached by the engine
-        self.views: GradViews | None = None  # stages 0-1's param.grad views, attached by the engine
-        self.sync_enabled = True  # False inside no_sync()
+        self.params = params
+        self.views = views
         self.forward_depth = 0  # > 0 while the root module's forward runs
-        self.in_backward = False
         self.callback_queued = False
-        self.backward_count = 0  # epilogues run so far
-        self.needs_flush = False  # local gradients a backward left unreduced
-        # Outermost training forwards (grad enabled, train mode) since the last optimizer
-        # step: every rank must run as many (checked with the step's norm, step.py).
-        self.training_forwards = 0
         self._next_in_order = 0
         self._handles: list[Any] = [
             root.register_forward_pre_hook(EngineHook(self._root_pre), prepend=True),
@@ -179,8 +179,8 @@ class GradientPath:
         if self.views is not None:
             self.views.clear()  # no later backward may accumulate into the reduced buffer
         self.forward_depth += 1
-        if self.forward_depth == 1 and not self.in_backward and module.training and torch.is_grad_enabled():
-            self.training_forwards += 1
+        if self.forward_depth == 1:
+            self.state.forward_started(training=module.training and torch.is_grad_enabled())
         if self.params is not None:
             self.params.root_pre_forward(outermost=self.forward_depth == 1)
 
@@ -202,8 +202,8 @@ class GradientPath:
         return grad if scale == 1.0 else grad * scale
 
     def _start_backward(self) -> None:
-        if not self.in_backward:
-            self.in_backward = True
+        if not self.state.in_backward:
+            self.state.backward_started()
         if not self.callback_queued:
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -212,9 +212,9 @@ class GradientPath:
     def reduces_now(self) -> bool:
         """Whether this backward reduces: every synced backward at stages 2-3, the synced
         boundary backward at stages 0-1."""
-        if not self.sync_enabled:
+        if not self.state.sync_enabled:
             return False
-        return self.policy.reduce_every_backward or self._is_boundary()
+        return self.policy.reduce_every_backward or self.state.is_boundary()
 
     def _make_hook(self, unit: Unit, flat, index: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
@@ -222,14 +222,14 @@ class GradientPath:
             param.grad = None
             if grad is None:
                 return
-            if self.forward_depth > 0 and not self.in_backward:
+            if self.forward_depth > 0 and not self.state.in_backward:
                 # An autograd call inside forward (a tiled loss): accumulate only. Its
                 # gradient never crossed the loss scale, so scale it here as the rest will be.
                 scale = self._loss_scale()
-                flat.accumulate(index, grad if scale == 1.0 else grad * scale)
+                flat.grads.accumulate(index, grad if scale == 1.0 else grad * scale)
                 unit.has_local_grad = True
                 return
-            flat.accumulate(index, grad)
+            flat.grads.accumulate(index, grad)
             unit.has_local_grad = True
             if not self.callback_queued:
                 # The loss did not come through the root module's outputs (e.g. the model
@@ -243,7 +243,7 @@ class GradientPath:
 
     def unit_inputs_reached(self, unit: Unit) -> None:
         """Stage 3's schedule: the backward computed the gradient of the unit's inputs."""
-        if self.in_backward and unit.ready and self.reduces_now():
+        if self.state.in_backward and unit.ready and self.reduces_now():
             self._reduce_ready_in_order()
 
     def _queue(self, unit: Unit) -> None:
@@ -273,45 +273,32 @@ class GradientPath:
         done = self.reduce_order[: self._next_in_order]
         pending = [u for u in done if u.has_local_grad]  # late gradients
         pending += self.reduce_order[self._next_in_order :]
-        self.in_backward = False
         self.callback_queued = False
         self._next_in_order = 0
         for unit in self.units:
             unit.reset_readiness()
-        self.backward_count += 1
-        if self.reduces_now():
+        reduces = self.reduces_now()
+        self.state.backward_ended(reduced=reduces)
+        if reduces:
             for unit in pending:
                 self._queue(unit)
             self.reducer.finish()
-            self.needs_flush = False
             if self.views is not None:
                 self.views.expose()
-        else:
-            self.needs_flush = True
         if self.params is not None:
             self.params.free_all()
 
     def flush(self) -> None:
         """Reduce every unit's local gradient left by backward calls that did not reduce (a
         collective: same order on every rank)."""
-        if not self.needs_flush:
+        if not self.state.unreduced:
             return
         for unit in self.reduce_order:
             self._queue(unit)
         self.reducer.finish()
-        self.needs_flush = False
+        self.state.flushed()
         if self.views is not None:
             self.views.expose()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward calls inside keep their gradients local (no communication)."""
-        previous = self.sync_enabled
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = previous
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (local and reduced)."""
@@ -319,7 +306,7 @@ class GradientPath:
             self.views.clear()
         for unit in self.units:
             for flat in unit.flats:
-                flat.drop_grads()
+                flat.grads.drop()
             unit.has_local_grad = False
-        self.needs_flush = False
+        self.state.gradients_dropped()
         self.reducer.take_local_sum()  # dropped gradients name no rank

@@ -113,10 +113,20 @@ class GradientReducer:
         flats: every flat the engine owns (the bucket sizes are bounded by what they hold).
         divisor: returns world_size x gradient_accumulation_steps (read at each `add`).
         bucket_numel: the most elements one bucket (one collective) holds.
+        landing: offload (zeroshard/sharding/offload.py): told of each piece of a reduced
+            shard once it is written, so the shard moves to the host bucket by bucket instead
+            of at the step. None without offload.
+        streams: the collectives run on a reduce stream on CUDA; no-ops elsewhere. See
+            [Note: streams and events] in zeroshard/sharding/streams.py.
     """
 
     def __init__(
-        self, flats: list[FlatParamGroup], divisor: Callable[[], int], bucket_numel: int
+        self,
+        flats: list[FlatParamGroup],
+        divisor: Callable[[], int],
+        bucket_numel: int,
+        landing: Callable[[FlatParamGroup, int, int], None] | None = None,
+        streams: StreamSet = NULL_STREAMS,
     ) -> None:
         self._divisor = divisor
         self.bucket_numel = max(1, bucket_numel)
@@ -134,12 +144,8 @@ class GradientReducer:
         # The sum of this rank's own gradients since the last step: only whether it is
         # finite is used, to name the rank a non-finite gradient came from (step.py).
         self._local_sum: torch.Tensor | None = None
-        # Offload (zeroshard/sharding/offload.py): told of each piece of a reduced shard once it is
-        # written, so the shard moves to the host bucket by bucket instead of at the step.
-        self.landing: Callable[[FlatParamGroup, int, int], None] | None = None
-        # The collectives run on a reduce stream on CUDA (the engine sets real streams
-        # there); no-ops elsewhere. See [Note: streams and events] in zeroshard/sharding/streams.py.
-        self.streams: StreamSet = NULL_STREAMS
+        self.landing = landing
+        self.streams = streams
         self._issued_count = 0  # names buckets in the streams' events
 
     # ----------------------------------------------------------------- layout
@@ -171,7 +177,7 @@ class GradientReducer:
         # exists. It is adopted before staging: issuing a full bucket below may complete an
         # earlier piece of this very flat, whose result then lands in it; it only writes
         # columns already staged. Otherwise (stages 2-3) the local buffer is freed below.
-        local, in_place = flat.begin_reduction()
+        local, in_place = flat.grads.begin_reduction()
         self._note_local(local)
         matrix = local.view(rows, cols)
         divisor = self._divisor()
@@ -181,7 +187,7 @@ class GradientReducer:
             self._added_cols[key] = self._added_cols.get(key, 0) + cols
             self._issue(key)
             if not in_place:
-                flat.end_reduction()  # stages 2-3: dropped by the flat, kept alive by the bucket
+                flat.grads.end_reduction()  # stages 2-3: dropped by the flat, kept alive by the bucket
             return
         c0 = 0
         while c0 < cols:
@@ -204,7 +210,7 @@ class GradientReducer:
             if bucket.used == bucket.capacity:
                 self._issue(key)
         if not in_place:
-            flat.end_reduction()  # every piece was copied into a bucket above
+            flat.grads.end_reduction()  # every piece was copied into a bucket above
 
     def _reduce_directly(self, key: tuple, flat: FlatParamGroup, in_place: bool, same_dtype: bool) -> bool:
         """Whether `flat`'s local gradient can be the collective's input itself (the note above)."""
@@ -287,10 +293,10 @@ class GradientReducer:
         # row, columns c0:c1 of the flat's (W, columns) view).
         flat = piece.flat
         if flat.policy.scatter:
-            reduced = flat.reduced_grad_buffer()
+            reduced = flat.grads.reduced_buffer()
             result = result[0]
         else:
-            reduced = flat.reduced_full_buffer().view(flat.shard_size, -1)
+            reduced = flat.grads.reduced_full_buffer().view(flat.shard_size, -1)
         target = reduced[..., piece.c0 : piece.c1]
         if piece.in_place:
             target.copy_(result)  # the reduced gradient is (part of) the local buffer: adopted in `add`

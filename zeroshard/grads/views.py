@@ -46,7 +46,7 @@ class GradViews:
         if not self.enabled or self._loss_scale() != 1.0:
             return
         for flat in self.flats:
-            reduced = flat.reduced_full
+            reduced = flat.grads.reduced_full
             if reduced is None or reduced.dtype != flat.full.dtype or reduced.numel() != flat.padded_numel:
                 continue
             for index, p in enumerate(flat.params):

@@ -18,13 +18,8 @@ class, into one 1-D buffer:
                  stages 1-3. In the dtype `role.master_dtype`; when the plan says the master
                  weights are the parameters (fp32 and torch_autocast modes) it is a view of
                  `full` (stages 0-2) or `param_shard` itself (stage 3), never a copy.
-    local_grad   gradients accumulated on this rank and not yet reduced (full size).
-    reduced_grad the reduced (summed over ranks, divided by world_size x grad_accum_steps)
-                 gradient for the master's range, in the accumulation dtype.
-    reduced_full stages 0-1 (an all-reduce): the whole reduced gradient, full size, of which
-                 `reduced_grad` is the master's range (all of it at stage 0, this rank's
-                 shard as a view at stage 1). None at stages 2-3 (a reduce-scatter leaves
-                 only the shard).
+    grads        the gradient buffers laid out like `full` (local, reduced), and their
+                 lifecycle: zeroshard/grads/buffers.py's [Note: gradient buffers].
 """
 
 from __future__ import annotations
@@ -35,6 +30,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import collectives as comm
+from zeroshard.grads.buffers import FlatGradients
 from zeroshard.precision.plan import RolePlan
 from zeroshard.sharding.gather import Gathering, GatherPiece, all_gather_shards
 from zeroshard.sharding.layout import ShardingSpec, current_layout
@@ -52,10 +48,6 @@ class ShardState(Enum):
 class FlatParamGroup:
     """One flat buffer: a unit's parameters of one precision role and optimizer group."""
 
-    # Stage 3's gathers run on a side stream on CUDA (the engine sets real streams there);
-    # no-ops elsewhere. See [Note: streams and events] in zeroshard/sharding/streams.py.
-    streams: StreamSet = NULL_STREAMS
-
     def __init__(
         self,
         unit_name: str,
@@ -66,8 +58,12 @@ class FlatParamGroup:
         policy: StagePolicy,
         device: torch.device,
         spec: ShardingSpec | None = None,
+        streams: StreamSet = NULL_STREAMS,
     ) -> None:
         self.unit_name = unit_name
+        # Stage 3's gathers run on a side stream on CUDA (real streams there); no-ops
+        # elsewhere. See [Note: streams and events] in zeroshard/sharding/streams.py.
+        self.streams = streams
         self.names = names
         self.params = params
         self.role = role
@@ -112,19 +108,7 @@ class FlatParamGroup:
                 self.param_shard = self.shard_of(self.full).clone()
 
         self.master = self._make_master()
-        self.local_grad: torch.Tensor | None = None
-        # Params whose region of `local_grad` holds no gradient of this accumulation yet (its
-        # contents are stale or uninitialised): their first gradient is copied in, not added,
-        # so the buffer is never zero-filled up front (see `accumulate`).
-        self._unwritten: set[int] = set()
-        self.reduced_grad: torch.Tensor | None = None
-        self.reduced_full: torch.Tensor | None = None
-        # The full local buffer `reduced_grad` lives in, when a reduction ran in place.
-        self._reduced_in_local: torch.Tensor | None = None
-        # Offload: elements of `reduced_grad` copied to the host landing buffer since it last
-        # changed otherwise (zeroshard/sharding/offload.py's HostGradients); anything else that writes
-        # it resets this, so the step then moves the whole shard again.
-        self.host_landed = 0
+        self.grads = FlatGradients(self)
         if not policy.keep_full_params:
             self.free_full()
 
@@ -310,120 +294,32 @@ class FlatParamGroup:
             at = self.master.device
             self.master.copy_(torch.where(mask.to(at), source.to(device=at, dtype=self.master.dtype), self.master))
 
-    # -------------------------------------------------------------- gradients
-    def _restart_local(self, buffer: torch.Tensor) -> None:
-        """`buffer` becomes the local gradient of a new accumulation: every parameter's region
-        counts as unwritten (zeroed lazily); the padding is zeroed now, since it is reduced."""
-        buffer.narrow(0, self.numel, self.padded_numel - self.numel).zero_()
-        self.local_grad = buffer
-        self._unwritten = set(range(len(self.params)))
+    # ------------------------------------------- gradients (kept for older callers)
+    # The buffers and their lifecycle are `self.grads` (zeroshard/grads/buffers.py); these
+    # names stay for code written against the flat before the gradients moved out.
+    @property
+    def local_grad(self) -> torch.Tensor | None:
+        return self.grads.local
 
-    def local_grad_buffer(self) -> torch.Tensor:
-        """The full-size local gradient buffer in the accumulation dtype, allocated on first
-        use. At stages 2-3 it lives only until the unit is reduced, but it still accumulates
-        (no_sync micro-steps, several autograd phases), so it too is in the accumulation
-        dtype: summing in the gradient dtype would lose what fp32 accumulation promises.
+    @property
+    def reduced_grad(self) -> torch.Tensor | None:
+        return self.grads.reduced
 
-        Regions no gradient reached yet may hold anything: read it through `settled_local_grad`."""
-        if self.local_grad is None:
-            self._restart_local(
-                torch.empty(self.padded_numel, dtype=self.role.grad_accum_dtype, device=self.device)
-            )
-        return self.local_grad
-
-    def settled_local_grad(self) -> torch.Tensor:
-        """The local gradient with every region no gradient reached set to zero."""
-        buf = self.local_grad_buffer()
-        for index in self._unwritten:
-            buf.narrow(0, self.offsets[index], self.numels[index]).zero_()
-        self._unwritten.clear()
-        return buf
+    @property
+    def reduced_full(self) -> torch.Tensor | None:
+        return self.grads.reduced_full
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        buf = self.local_grad_buffer()
-        region = buf.narrow(0, self.offsets[index], self.numels[index])
-        # The first gradient of an accumulation is copied (cast if need be): one pass over
-        # the region instead of a zero fill and an add.
-        if index in self._unwritten:
-            region.copy_(grad.reshape(-1))
-            self._unwritten.discard(index)
-        else:
-            region.add_(grad.reshape(-1))
+        self.grads.accumulate(index, grad)
 
-    def reduced_grad_buffer(self) -> torch.Tensor:
-        """The reduced gradient of the master's range (zeros when none was reduced yet)."""
-        if self.reduced_grad is None:
-            dtype = self.role.grad_accum_dtype
-            if self.policy.scatter:
-                self.reduced_grad = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
-            else:  # an all-reduce fills the whole buffer; the master reads its range of it
-                self.reduced_full = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
-                self.reduced_grad = self._master_part(self.reduced_full)
-        return self.reduced_grad
-
-    def reduced_full_buffer(self) -> torch.Tensor:
-        """Stages 0-1: the whole reduced gradient (what an all-reduce writes)."""
-        assert not self.policy.scatter, "a reduce-scatter leaves only the shard"
-        self.reduced_grad_buffer()
-        assert self.reduced_full is not None
-        return self.reduced_full
-
-    def _master_part(self, full: torch.Tensor) -> torch.Tensor:
-        return self.shard_of(full) if self.policy.shard_optimizer else full
-
-    def begin_reduction(self) -> tuple[torch.Tensor, bool]:
-        """Hand the local gradient to the reducer: (the settled local buffer, in place).
-
-        In place when nothing reduced is waiting at stages 0-1: the local buffer becomes the
-        whole reduced gradient (`reduced_full`; the master reads its range of it) and the
-        reducer's all-reduce writes the result back into it, so those stages keep one full
-        gradient buffer, not a second for the result.
-        Otherwise the reducer copies the values out, accumulates the result into
-        `reduced_grad_buffer()` and calls `end_reduction`.
-        """
-        local = self.settled_local_grad()
-        in_place = (
-            self.reduced_grad is None
-            and local.dtype == self.role.grad_accum_dtype
-            and not self.policy.reduce_every_backward
-        )
-        if in_place:
-            self.reduced_full = local
-            self.reduced_grad = self._master_part(local)
-            self._reduced_in_local = local
-            self.local_grad = None
-        return local, in_place
+    def settled_local_grad(self) -> torch.Tensor:
+        return self.grads.settled_local()
 
     def end_reduction(self) -> None:
-        """The local values were copied out for reduction: zero the persistent buffer
-        (stages 0-1) or free it (2-3)."""
-        if self.local_grad is None:
-            return
-        if self.policy.reduce_every_backward:
-            self.local_grad = None
-        else:
-            self._restart_local(self.local_grad)
+        self.grads.end_reduction()
 
-    def drop_grads(self) -> None:
-        """Forget every accumulated gradient, local and reduced (zero_grad)."""
-        self.master.grad = None
-        if self.local_grad is not None:
-            self.end_reduction()
-        self.clear_reduced()
-
-    def clear_reduced(self) -> None:
-        """After a step (or zero_grad): zero the reduced gradient; a buffer that was the local
-        one becomes the local one again."""
-        self.host_landed = 0
-        if self._reduced_in_local is not None:
-            base, self._reduced_in_local, self.reduced_grad = self._reduced_in_local, None, None
-            self.reduced_full = None
-            if self.local_grad is None:
-                self._restart_local(base)  # no zero fill: see `accumulate`
-        elif self.reduced_full is not None:
-            self.reduced_full.zero_()
-        elif self.reduced_grad is not None:
-            self.reduced_grad.zero_()
+    def reduced_grad_buffer(self) -> torch.Tensor:
+        return self.grads.reduced_buffer()
 
     def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         return flat.narrow(0, self.offsets[index], self.numels[index]).view(self.shapes[index])

@@ -67,13 +67,13 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     if frozen(param):
         return None
     registry, flat, index = _locate(param)
-    reduced = flat.reduced_grad
+    reduced = flat.grads.reduced
     has_any = torch.tensor([0 if reduced is None else 1], device=flat.device)
     comm.all_reduce(has_any, group=flat.spec.shard, op=torch.distributed.ReduceOp.MAX, tag="full_tensor")
     if int(has_any) == 0:
         return None
     if reduced is None:
-        reduced = flat.reduced_grad_buffer()
+        reduced = flat.grads.reduced_buffer()
     full = _param_slice(flat, _full_flat(flat, reduced), index)
     scale = registry.loss_scale()
     return full if scale == 1.0 else full / scale

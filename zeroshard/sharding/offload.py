@@ -96,7 +96,7 @@ class HostGradients:
     to the master dtype where it was reduced and copied to the same elements of the host
     buffer, non-blocking from pinned memory on a GPU, so the copies run while the backward
     goes on. A later change to the same elements (a flat reduced twice in one backward)
-    lands again; any other change resets `flat.host_landed`, as a reduction outside the
+    lands again; any other change resets `flat.grads.host_landed`, as a reduction outside the
     final backward does, and an in-place change (stage 1's `param.grad` views) shows in the
     tensor's version counter. At the step `take` returns the host buffer if every element
     landed since, and otherwise `receive` moves the whole shard as before. The cast and the
@@ -123,9 +123,9 @@ class HostGradients:
     def land(self, flat: FlatParamGroup, start: int, end: int) -> None:
         """Elements [start, end) of `flat`'s reduced shard were just written."""
         if self._is_final is None or not self._is_final():
-            flat.host_landed = 0  # more accumulates before the step: land it then
+            flat.grads.host_landed = 0  # more accumulates before the step: land it then
             return
-        reduced = flat.reduced_grad
+        reduced = flat.grads.reduced
         dtype = flat.master.dtype
         buf = self._buffer(id(flat), reduced.numel(), dtype, flat.spec.pin_memory)
         piece = reduced[start:end]
@@ -137,16 +137,16 @@ class HostGradients:
             event = torch.cuda.Event()
             event.record()
             self._copied[id(flat)] = event
-        flat.host_landed += end - start
+        flat.grads.host_landed += end - start
         self._versions[id(flat)] = reduced._version
 
     def take(self, flat: FlatParamGroup) -> torch.Tensor | None:
         """`flat`'s host gradient if all of it landed since it last changed, else None."""
         buf = self._buffers.get(id(flat))
-        landed, flat.host_landed = flat.host_landed, 0
-        if buf is None or flat.reduced_grad is None or landed < buf.numel() or buf.dtype != flat.master.dtype:
+        landed, flat.grads.host_landed = flat.grads.host_landed, 0
+        if buf is None or flat.grads.reduced is None or landed < buf.numel() or buf.dtype != flat.master.dtype:
             return None
-        if self._versions.get(id(flat)) != flat.reduced_grad._version:
+        if self._versions.get(id(flat)) != flat.grads.reduced._version:
             return None  # changed in place after it landed: move it whole
         event = self._copied.pop(id(flat), None)
         if event is not None:

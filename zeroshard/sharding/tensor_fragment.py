@@ -119,14 +119,14 @@ def _write_master(flat: FlatParamGroup, index: int, part: torch.Tensor, in_param
 
 
 def _reduced_for_writing(flat: FlatParamGroup, what: str) -> torch.Tensor:
-    holds_unreduced = flat.local_grad is not None and len(flat._unwritten) < len(flat.params)
-    if holds_unreduced and not flat.policy.reduce_every_backward and flat.reduced_grad is None:
+    grads = flat.grads
+    if grads.holds_unreduced() and not flat.policy.reduce_every_backward and grads.reduced is None:
         raise RuntimeError(
             f"{what}: this rank holds gradients not reduced yet (a backward that was not the "
             "accumulation boundary). Call it after the boundary backward, before engine.step()."
         )
-    flat.host_landed = 0  # the caller changes it: an offloaded step must move it again
-    return flat.reduced_grad_buffer()
+    grads.host_landed = 0  # the caller changes it: an offloaded step must move it again
+    return grads.reduced_buffer()
 
 
 def _write_grad(registry, flat: FlatParamGroup, index: int, part: torch.Tensor, in_param: int, what: str) -> None:
@@ -134,10 +134,10 @@ def _write_grad(registry, flat: FlatParamGroup, index: int, part: torch.Tensor, 
     reduced = _reduced_for_writing(flat, what)
     scale = registry.loss_scale()  # the reduced gradient is kept scaled until the step
     with torch.no_grad():
-        if flat.reduced_full is not None:
+        if flat.grads.reduced_full is not None:
             # Stages 0-1: the whole reduced gradient (which `param.grad` views) holds the
             # master's range too, so writing all of `part` there keeps both in step.
-            region = flat.reduced_full.narrow(0, flat.offsets[index] + in_param, part.numel())
+            region = flat.grads.reduced_full.narrow(0, flat.offsets[index] + in_param, part.numel())
             region.copy_(part if scale == 1.0 else part * scale)
         elif length:
             piece = part.narrow(0, from_param - in_param, length)
@@ -232,9 +232,9 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
     if frozen(param):
         return None
     registry, flat, index = _locate(param)
-    if flat.reduced_grad is None:
+    if flat.grads.reduced is None:
         return None
-    part = _local_slice(flat, index, flat.reduced_grad)
+    part = _local_slice(flat, index, flat.grads.reduced)
     scale = registry.loss_scale()
     return part if scale == 1.0 else part / scale
 

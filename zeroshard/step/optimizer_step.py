@@ -126,7 +126,7 @@ class OptimizerStep:
         grads = []
         for flat in self.flats:
             landed = self.host_grads.take(flat) if self.host_grads is not None else None
-            grad = landed if landed is not None else flat.reduced_grad_buffer()
+            grad = landed if landed is not None else flat.grads.reduced_buffer()
             if grad.dtype != flat.master.dtype:
                 grad = grad.to(flat.master.dtype)
             if self.host_grads is not None and landed is None:  # cast on the device first, then move it
@@ -158,7 +158,7 @@ class OptimizerStep:
         self.loss_scaler.update(overflow)
         for flat in self.flats:
             flat.master.grad = None
-            flat.clear_reduced()
+            flat.grads.clear_reduced()
         return StepResult(norm, post_clip, overflow, scale, nonfinite_ranks, finite)
 
     def global_norm(
