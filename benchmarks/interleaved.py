@@ -85,15 +85,22 @@ def _merge(config: dict, extra: dict) -> dict:
     return config
 
 
-def _zeroshard_runner(workload, mode: str, stage: int, extra: dict, device: torch.device):
+def _zeroshard_runner(workload, mode: str, name: str, extra: dict, device: torch.device):
     from peers_engines import _engine_config, deepspeed_style_step
     from peers_workload import build_model
 
     import zeroshard
 
+    stage, _, variant = name[1:].partition("-")
     model = build_model(workload)
-    config = _merge(_engine_config(workload, mode, stage), extra)
+    config = _merge(_engine_config(workload, mode, int(stage)), extra)
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if variant == "nodirectuse":
+        # Stage 3 without its direct-use mode (zeroshard/sharding/direct_use.py): the floor its
+        # cost is measured against. Only for models that use no parameter outside its unit.
+        engine._grads.params._mode = None
+    elif variant:
+        raise ValueError(f"--engines {name}: unknown variant {variant!r} (known: nodirectuse)")
     return lambda x, y: deepspeed_style_step(engine, x, y, device=device)[1]
 
 
@@ -114,7 +121,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     extra = json.loads(args.config_extra)
     runners = {
         n: _ddp_runner(workload, args.mode, device) if n == "ddp"
-        else _zeroshard_runner(workload, args.mode, int(n[1:]), extra, device)
+        else _zeroshard_runner(workload, args.mode, n, extra, device)
         for n in names
     }
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -166,7 +173,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r")
     parser.add_argument("--engines", default="ddp,s0,s1,s2,s3", help="ddp and/or sN (zeroshard stage N); "
-                        "ratios are to the first")
+                        "ratios are to the first; s3-nodirectuse: stage 3 without its direct-use mode")
     parser.add_argument("--config-extra", default="{}", help="JSON merged into every zeroshard config, e.g. "
                         "'{\"zero_optimization\": {\"reduce_bucket_size\": 200000}}'")
     parser.add_argument("--model", default="small")
