@@ -28,10 +28,11 @@ F.layer_norm, Tensor.split) through torch's slower generic override path: stage 
 nothing for a function that takes no watched parameter, which is every function of a model
 that uses its parameters only in their own units; switching a unit's parameters' class costs
 about 0.2 us per parameter at each unit's forward and at the root's.
-What a subclass does not see that a mode would: a parameter reached only through a tensor
+What a subclass does not do that a mode would: see a parameter passed along with a tensor
 subclass of the user's whose `__torch_function__` handles the call without deferring to the
-other types (torch's dispatch then never asks ours). benchmarks/direct_use_mode.py measures the
-forward with the watch on and off.
+other types (torch's dispatch then never asks ours); and a function given a watched parameter
+runs with subclass dispatch off, so such a user subclass passed with it is not asked either.
+benchmarks/direct_use_mode.py measures the forward with the watch on and off.
 """
 
 from __future__ import annotations
