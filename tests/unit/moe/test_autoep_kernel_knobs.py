@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zeroshard.config.expert_parallel import ExpertParallelConfig
-from zeroshard.config.schema import load_config
+from zeroshard.config.resolve import resolve_config
 from zeroshard.module_inject.auto_ep import replace_moe_layers
 
 pytest.importorskip("transformers")
@@ -93,7 +93,7 @@ def test_knobs_are_not_reported_as_no_effect() -> None:
                                "combine_impl": "legacy_bmm"}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a "changes nothing here" warning would be wrong now
-        cfg = load_config(raw)
+        cfg = resolve_config(raw)
     assert cfg.no_effect_keys == []
     ep = cfg.expert_parallel
     assert (ep.use_grouped_mm, ep.disable_triton_grouped_mm, ep.combine_impl) == (False, True, "legacy_bmm")
@@ -101,4 +101,4 @@ def test_knobs_are_not_reported_as_no_effect() -> None:
 
 def test_unknown_combine_impl_is_refused() -> None:
     with pytest.raises(ValueError, match="combine_impl"):
-        load_config({"expert_parallel": {"enabled": True, "combine_impl": "fused"}})
+        resolve_config({"expert_parallel": {"enabled": True, "combine_impl": "fused"}})
