@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from zeroshard.checkpoint.files import write_via_private_dir
 from zeroshard.checkpoint.format import CheckpointReader, resolve_checkpoint_dir
+from zeroshard.checkpoint.frozen import frozen_state
 from zeroshard.checkpoint.save import module_names
 from zeroshard.checkpoint.sync import agree
 from zeroshard.comm import collectives as comm
@@ -119,11 +120,13 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
             if not was_gathered:
                 unit.free()
 
+    # Frozen AutoEP stacks are this rank's block of the global stack: gathered (collective).
+    aliases, frozen_names, _ = module_names(engine)
+    frozen = frozen_state(engine, frozen_names, keep=rank0)
     path = Path(save_dir) / save_filename
     error: BaseException | None = None
     if rank0:
         try:
-            aliases, _, _ = module_names(engine)
             tensors = dict(engine.module.named_parameters(remove_duplicate=False))
             tensors.update(engine.module.named_buffers(remove_duplicate=False))
             state = {}
@@ -132,6 +135,8 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
                     state[key] = managed[key]
                 elif key in aliases:
                     state[key] = managed[aliases[key]].clone()
+                elif key in frozen:
+                    state[key] = frozen[key]
                 else:
                     state[key] = tensors[key].detach().to("cpu", copy=True)
             _write_state_dict(to_hf_state_dict(state, hf_layouts(engine.module)), path, {"format": "pt"})
