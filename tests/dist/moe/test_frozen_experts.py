@@ -36,10 +36,11 @@ from tests.dist.scenarios.moe_engine import EngineCase, build_model, global_name
 
 TIMEOUT_S = 600
 EXACT = {"atol": 0, "rtol": 0}
-# (world, saved case, loaded case)
-MOE = [(4, EngineCase(2, s), EngineCase(2, s)) for s in range(4)] + [
-    (4, EngineCase(2, 1), EngineCase(4, 3)), (4, EngineCase(4, 2), EngineCase(1, 0)),
-] + [(2, EngineCase(2, s), EngineCase(2, s)) for s in range(4)]
+# (world, saved case, loaded case, frozen when saved, frozen when loaded)
+MOE = [(4, EngineCase(2, s), EngineCase(2, s), True, True) for s in range(4)] + [
+    (4, EngineCase(2, 1), EngineCase(4, 3), True, True), (4, EngineCase(4, 2), EngineCase(1, 0), True, True),
+    (4, EngineCase(2, 2), EngineCase(4, 1), True, False), (4, EngineCase(4, 3), EngineCase(2, 0), False, True),
+] + [(2, EngineCase(2, s), EngineCase(2, s), True, True) for s in range(4)]
 # (world, autoep_size, stage saved, autoep_size, stage loaded)
 AUTOEP = [(2, 2, s, 1, (s + 1) % 4) for s in range(4)] + [(4, 4, 2, 2, 3), (4, 2, 1, 4, 0)]
 
@@ -57,10 +58,10 @@ def merged(per_rank: list[dict], key: str = "state") -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def moe_runs(dist_pool, tmp_path_factory):
     runs = []
-    for i, (world, saved, loaded) in enumerate(MOE):
+    for i, (world, saved, loaded, was_frozen, frozen) in enumerate(MOE):
         root = str(tmp_path_factory.mktemp(f"frozen-moe-{i}"))
-        save = dist_pool(world).run(moe_save, saved, root, timeout=TIMEOUT_S)
-        load = dist_pool(world).run(moe_load, loaded, root, timeout=TIMEOUT_S)
+        save = dist_pool(world).run(moe_save, saved, root, was_frozen, timeout=TIMEOUT_S)
+        load = dist_pool(world).run(moe_load, loaded, root, frozen, was_frozen, timeout=TIMEOUT_S)
         runs.append((save, load))
     return runs
 
@@ -70,19 +71,24 @@ def moe_reference() -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in global_names(build_model(1)).items()}
 
 
-def _label(world, saved, loaded) -> str:
-    return f"world{world}-{saved.label}-to-{loaded.label}"
+def _label(world, saved, loaded, was_frozen, frozen) -> str:
+    change = "" if was_frozen == frozen else ("-then-trained" if was_frozen else "-trained-then-frozen")
+    return f"world{world}-{saved.label}-to-{loaded.label}{change}"
 
 
 @pytest.mark.parametrize("index", range(len(MOE)), ids=[_label(*c) for c in MOE])
 def test_moe_frozen_experts_saved_by_global_name_and_loaded_exactly(moe_runs, moe_reference, index) -> None:
     save, load = moe_runs[index]
+    was_frozen = MOE[index][3]
     saved = merged(save)
     assert set(saved) == set(moe_reference)
     frozen = [n for n in moe_reference if is_frozen_moe_param(n)]
     assert len(frozen) == 2 * 4 * 4 + 2  # 2 layers x 4 experts x (2 weights, 2 biases), embed weight and bias
-    for name in frozen:  # frozen: the initial value after the step
-        torch.testing.assert_close(saved[name], moe_reference[name], **EXACT, msg=name)
+    for name in frozen:  # frozen: the initial value after the step; trained: moved
+        if was_frozen:
+            torch.testing.assert_close(saved[name], moe_reference[name], **EXACT, msg=name)
+        else:
+            assert not torch.equal(saved[name], moe_reference[name]), name
     assert any(not torch.equal(saved[n], moe_reference[n]) for n in moe_reference if n not in frozen)
     loaded = merged(load)
     assert set(loaded) == set(saved)

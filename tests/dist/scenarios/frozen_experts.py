@@ -27,13 +27,13 @@ def is_frozen_moe_param(name: str) -> bool:
     return ".deepspeed_experts." in name or name.startswith("embed.")
 
 
-def moe_engine(case: EngineCase, perturb: bool = False):
-    """The MoE model with every expert and the embedding frozen; `perturb`: the frozen weights
-    start at other values (so a load must overwrite them)."""
+def moe_engine(case: EngineCase, perturb: bool = False, frozen: bool = True):
+    """The MoE model with every expert and the embedding frozen (`frozen`; else all trained);
+    `perturb`: those weights start at other values (so a load must overwrite them)."""
     model = build_model(case.ep_size)
     for name, p in global_names(model).items():
         if is_frozen_moe_param(name):
-            p.requires_grad_(False)
+            p.requires_grad_(not frozen)
             if perturb:
                 with torch.no_grad():
                     p.add_(1.0)
@@ -52,10 +52,10 @@ def _moe_state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def moe_save(case: EngineCase, root: str) -> dict[str, Any]:
+def moe_save(case: EngineCase, root: str, frozen: bool = True) -> dict[str, Any]:
     """One optimizer step at lr 0.1, then save_checkpoint (tag "t")."""
     rank = dist.get_rank()
-    engine = moe_engine(case)
+    engine = moe_engine(case, frozen=frozen)
     for micro in range(case_ga(engine)):
         x, y = micro_batch(rank, 0, micro)
         engine.backward(engine(x, y))
@@ -66,10 +66,12 @@ def moe_save(case: EngineCase, root: str) -> dict[str, Any]:
     return {"state": state, "consolidated": consolidate_fp32(root, "t") if rank == 0 else None}
 
 
-def moe_load(case: EngineCase, root: str) -> dict[str, Any]:
-    """A fresh engine (frozen weights perturbed) loading the checkpoint of `moe_save`."""
-    engine = moe_engine(case, perturb=True)
-    engine.load_checkpoint(root, tag="t")
+def moe_load(case: EngineCase, root: str, frozen: bool = True, was_frozen: bool = True) -> dict[str, Any]:
+    """A fresh engine (frozen weights perturbed) loading the checkpoint of `moe_save`; a weight
+    frozen on one side only has no optimizer state to load (so none is loaded)."""
+    engine = moe_engine(case, perturb=True, frozen=frozen)
+    same = frozen == was_frozen  # otherwise the optimizer's param groups differ too
+    engine.load_checkpoint(root, tag="t", load_optimizer_states=same, load_lr_scheduler_states=same)
     return {"state": _moe_state(engine)}
 
 
@@ -92,16 +94,18 @@ def autoep_config(autoep_size: int, stage: int) -> dict[str, Any]:
 
 
 def autoep_engine(autoep_size: int, stage: int, perturb: bool = False):
-    """AutoEP on the tiny Mixtral with its experts frozen (a router-and-attention fine-tune)."""
-    model = build_hf("mixtral")
+    """AutoEP on the tiny Mixtral with its experts frozen (a router-and-attention fine-tune);
+    at stage 3 built under zero.Init (DeepSpeed's idiom), so the swap sees partitioned weights."""
+    config = autoep_config(autoep_size, stage)
+    with zeroshard.zero.Init(config_dict_or_path=config, enabled=stage == 3):
+        model = build_hf("mixtral")
     for name, p in model.named_parameters():
         if ".experts." in name:
             p.requires_grad_(False)
             if perturb:
-                with torch.no_grad():
+                with zeroshard.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
                     p.add_(1.0)
-    engine, _, _, _ = zeroshard.initialize(
-        model=model, model_parameters=model.parameters(), config=autoep_config(autoep_size, stage))
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
