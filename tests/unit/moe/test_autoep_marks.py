@@ -107,3 +107,16 @@ def test_experts_that_disagree_are_refused_by_name(mark) -> None:
     text = str(info.value)
     assert f"'{mark}'" in text and "moe.experts.w3" in text
     assert "moe.experts.2.up_proj.weight=False" in text and "moe.experts.0.up_proj.weight=" in text
+
+
+def test_private_bookkeeping_that_differs_is_left_off() -> None:
+    """transformers marks the weights it loaded `_is_hf_initialized`; experts that differ in it
+    (some missing from a checkpoint) are no user choice to refuse."""
+    model = _Model()
+    for e in model.moe.experts:
+        for p in e.parameters():
+            p._is_hf_initialized = True
+    model.moe.experts[1].gate_proj.weight._is_hf_initialized = False
+    _swap(model)
+    experts = model.moe.experts
+    assert not hasattr(experts.w1, "_is_hf_initialized") and experts.w2._is_hf_initialized is True

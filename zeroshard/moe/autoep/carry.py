@@ -39,11 +39,12 @@ def _same(a: Any, b: Any) -> bool:
 
 def carried_marks(target: str, sources: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
     """The marks (attributes and `requires_grad`) the parameter `target` takes from `sources`
-    (name, parameter) it is built from.
+    (name, parameter) it is built from. A private attribute (leading underscore) the sources
+    disagree on is left off.
 
     Raises:
-        ValueError: the sources disagree on a mark; the message names the mark, the target and
-            the sources with each value.
+        ValueError: the sources disagree on `requires_grad` or a public attribute; the message
+            names the mark, the target and the sources with each value.
     """
     per_source = [(name, _marks(p)) for name, p in sources]
     keys = sorted({k for _, marks in per_source for k in marks})
@@ -52,6 +53,10 @@ def carried_marks(target: str, sources: list[tuple[str, nn.Parameter]]) -> dict[
         values = [(name, marks.get(key, _ABSENT)) for name, marks in per_source]
         first = values[0][1]
         if any(not _same(first, v) for _, v in values[1:]):
+            if key.startswith("_"):
+                # A library's private bookkeeping of the old tensors (transformers marks the
+                # weights it loaded `_is_hf_initialized`): no user intent to keep, none to refuse.
+                continue
             shown = ", ".join(f"{name}={'(unset)' if v is _ABSENT else repr(v)}" for name, v in values)
             raise ValueError(
                 f"AutoEP stacks {len(sources)} expert weights into {target}, which can hold one value of "
