@@ -26,10 +26,10 @@ from zeroshard.checkpoint.names import saved_offset
 from zeroshard.comm import collectives as comm
 from zeroshard.moe.utils import global_expert_names
 
-__all__ = ["frozen_state", "frozen_values"]
+__all__ = ["frozen_state", "frozen_values", "moe_expert_places", "whole_by_saved_name"]
 
 
-def _moe_expert_places(module: Any) -> dict[int, tuple[str, int, int, str, int]]:
+def moe_expert_places(module: Any) -> dict[int, tuple[str, int, int, str, int]]:
     """id(local expert parameter of an MoE layer) -> (experts' name prefix, local experts per
     rank L, local index j, name inside the expert, ep_size)."""
     from zeroshard.moe.layer import MoE
@@ -56,6 +56,30 @@ def _gather_over_expert_group(engine: Any, p: torch.Tensor, out_shape: tuple[int
     return full
 
 
+def whole_by_saved_name(
+    engine: Any, name: str, p: torch.Tensor, places: dict[int, tuple[str, int, int, str, int]], keep: bool
+) -> dict[str, torch.Tensor]:
+    """Parameter `name` (`p` holding its full local value) by checkpoint name, whole, on the
+    host: an expert of an MoE layer as every expert-parallel rank's copy under its global name,
+    an AutoEP stack as the global stack, anything else as it is. A collective over the
+    expert-parallel group for the first two; only with `keep` (the writer) are tensors returned.
+    `places`: `moe_expert_places(engine.module)`."""
+    out: dict[str, torch.Tensor] = {}
+    if id(p) in places:
+        base, per_rank, j, rest, ep_size = places[id(p)]
+        full = _gather_over_expert_group(engine, p, (ep_size, *p.shape))
+        if keep:
+            for ep_rank in range(ep_size):
+                out[f"{base}{ep_rank * per_rank + j}.{rest}"] = full[ep_rank].to("cpu", copy=True)
+    elif hasattr(p, "autoep_global_shape"):
+        full = _gather_over_expert_group(engine, p, tuple(p.autoep_global_shape))
+        if keep:
+            out[name] = full.to("cpu", copy=True)
+    elif keep:
+        out[name] = p.detach().to("cpu", copy=True)
+    return out
+
+
 def frozen_state(engine: Any, frozen: list[str], keep: bool) -> dict[str, torch.Tensor]:
     """The frozen parameters `frozen` (the module's names, in `state_dict` order, as
     `save.module_names` lists them) by checkpoint name, whole, on the host: expert parameters
@@ -63,22 +87,10 @@ def frozen_state(engine: Any, frozen: list[str], keep: bool) -> dict[str, torch.
     model); only a rank with `keep` (the writer) returns the tensors, the others {}.
     """
     params = dict(engine.module.named_parameters(remove_duplicate=False))
-    places = _moe_expert_places(engine.module)
+    places = moe_expert_places(engine.module)
     out: dict[str, torch.Tensor] = {}
     for name in frozen:
-        p = params[name]
-        if id(p) in places:
-            base, per_rank, j, rest, ep_size = places[id(p)]
-            full = _gather_over_expert_group(engine, p, (ep_size, *p.shape))
-            if keep:
-                for ep_rank in range(ep_size):
-                    out[f"{base}{ep_rank * per_rank + j}.{rest}"] = full[ep_rank].to("cpu", copy=True)
-        elif hasattr(p, "autoep_global_shape"):
-            full = _gather_over_expert_group(engine, p, tuple(p.autoep_global_shape))
-            if keep:
-                out[name] = full.to("cpu", copy=True)
-        elif keep:
-            out[name] = p.detach().to("cpu", copy=True)
+        out.update(whole_by_saved_name(engine, name, params[name], places, keep))
     return out
 
 

@@ -62,7 +62,7 @@ def moe_runs(dist_pool, tmp_path_factory):
         root = str(tmp_path_factory.mktemp(f"frozen-moe-{i}"))
         save = dist_pool(world).run(moe_save, saved, root, was_frozen, timeout=TIMEOUT_S)
         load = dist_pool(world).run(moe_load, loaded, root, frozen, was_frozen, timeout=TIMEOUT_S)
-        runs.append((save, load))
+        runs.append((root, save, load))
     return runs
 
 
@@ -78,7 +78,7 @@ def _label(world, saved, loaded, was_frozen, frozen) -> str:
 
 @pytest.mark.parametrize("index", range(len(MOE)), ids=[_label(*c) for c in MOE])
 def test_moe_frozen_experts_saved_by_global_name_and_loaded_exactly(moe_runs, moe_reference, index) -> None:
-    save, load = moe_runs[index]
+    root, save, load = moe_runs[index]
     was_frozen = MOE[index][3]
     saved = merged(save)
     assert set(saved) == set(moe_reference)
@@ -94,10 +94,13 @@ def test_moe_frozen_experts_saved_by_global_name_and_loaded_exactly(moe_runs, mo
     assert set(loaded) == set(saved)
     for name, value in saved.items():  # frozen and trained alike: copies
         torch.testing.assert_close(loaded[name], value, **EXACT, msg=name)
-    consolidated = save[0]["consolidated"]
-    assert set(consolidated) == set(moe_reference)  # the ep_size 1 model's names, every expert once
-    for name, value in saved.items():
-        torch.testing.assert_close(consolidated[name], value, **EXACT, msg=name)
+    exports = {"fp32": save[0]["consolidated"], "16bit": load_file(f"{root}/model.safetensors")}
+    for kind, state in exports.items():
+        # the ep_size 1 model's names, every expert once; it loads them strictly
+        assert set(state) == set(build_model(1).state_dict()), kind
+        build_model(1).load_state_dict(state, strict=True)
+        for name, value in saved.items():  # fp32 training: the 16-bit export holds the masters too
+            torch.testing.assert_close(state[name], value, **EXACT, msg=f"{kind} {name}")
 
 
 @pytest.fixture(scope="module")

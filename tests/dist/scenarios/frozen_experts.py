@@ -53,7 +53,7 @@ def _moe_state(engine) -> dict[str, torch.Tensor]:
 
 
 def moe_save(case: EngineCase, root: str, frozen: bool = True) -> dict[str, Any]:
-    """One optimizer step at lr 0.1, then save_checkpoint (tag "t")."""
+    """One optimizer step at lr 0.1, then save_checkpoint (tag "t") and save_16bit_model."""
     rank = dist.get_rank()
     engine = moe_engine(case, frozen=frozen)
     for micro in range(case_ga(engine)):
@@ -62,6 +62,7 @@ def moe_save(case: EngineCase, root: str, frozen: bool = True) -> dict[str, Any]
         engine.step()
     state = _moe_state(engine)
     engine.save_checkpoint(root, tag="t")
+    engine.save_16bit_model(root, "model.safetensors")
     dist.barrier()
     return {"state": state, "consolidated": consolidate_fp32(root, "t") if rank == 0 else None}
 
