@@ -17,9 +17,10 @@ from safetensors.torch import save_file
 
 from zeroshard.checkpoint.files import write_via_private_dir
 from zeroshard.checkpoint.format import CheckpointReader, resolve_checkpoint_dir
+from zeroshard.checkpoint.frozen import frozen_state, moe_expert_places, whole_by_saved_name
+from zeroshard.checkpoint.names import state_dict_keys
 from zeroshard.checkpoint.save import module_names
 from zeroshard.checkpoint.sync import agree
-from zeroshard.comm import collectives as comm
 from zeroshard.moe.autoep.export import hf_layouts, to_hf_state_dict
 
 
@@ -85,53 +86,39 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
     Returns:
         The written file's path (on every rank).
     """
-    from zeroshard.moe.utils import has_moe_layers
-
-    moe_group_names = getattr(engine, "expert_group_names", []) if has_moe_layers(engine.module)[0] else []
-    if any(name != "ep_size_1" for name in moe_group_names):
-        # Rank 0 holds only its own experts under local names; exporting every expert needs a
-        # gather across expert-parallel ranks that is not written yet.
-        raise NotImplementedError(
-            f"save_16bit_model: experts are spread over ranks ({engine.expert_group_names}); not supported "
-            "yet. Use save_checkpoint and `python -m zeroshard to-fp32`, which writes every expert by its "
-            "global index."
-        )
     rank0 = engine.global_rank == 0
+    # Experts (of MoE layers and AutoEP stacks) differ across expert-parallel ranks: each is
+    # gathered over its group and written by its global name (checkpoint/frozen.py).
+    places = moe_expert_places(engine.module)
     managed: dict[str, torch.Tensor] = {}
     for unit in engine.units:
         was_gathered = unit.gathered
         if not was_gathered:
             unit.gather(tag="export", exact=True)  # bit-exact parameters, not the wire dtype
         try:
-            if rank0:
-                for flat in unit.flats:
-                    for name, p in zip(flat.names, flat.params, strict=True):
-                        managed[name] = p.detach().to("cpu", copy=True)
-            for flat in unit.flats:  # AutoEP stacks: every rank's experts (collective)
+            for flat in unit.flats:
                 for name, p in zip(flat.names, flat.params, strict=True):
-                    if hasattr(p, "autoep_global_shape"):
-                        group = engine.layout.expert_parallel[p.group_name]
-                        full = p.new_empty(p.autoep_global_shape)
-                        comm.all_gather(full, p.detach().contiguous(), group=group, tag="export")
-                        if rank0:
-                            managed[name] = full.to("cpu")
+                    managed.update(whole_by_saved_name(engine, name, p, places, keep=rank0))
         finally:
             if not was_gathered:
                 unit.free()
 
+    aliases, frozen_names, _ = module_names(engine)
+    frozen = frozen_state(engine, frozen_names, keep=rank0)
     path = Path(save_dir) / save_filename
     error: BaseException | None = None
     if rank0:
         try:
-            aliases, _, _ = module_names(engine)
             tensors = dict(engine.module.named_parameters(remove_duplicate=False))
             tensors.update(engine.module.named_buffers(remove_duplicate=False))
             state = {}
-            for key in engine.module.state_dict(keep_vars=True):
+            for key in state_dict_keys(engine.module):  # experts by global name
                 if key in managed:
                     state[key] = managed[key]
                 elif key in aliases:
                     state[key] = managed[aliases[key]].clone()
+                elif key in frozen:
+                    state[key] = frozen[key]
                 else:
                     state[key] = tensors[key].detach().to("cpu", copy=True)
             _write_state_dict(to_hf_state_dict(state, hf_layouts(engine.module)), path, {"format": "pt"})

@@ -46,6 +46,7 @@ from zeroshard.checkpoint.format import (
     state_kind,
     validate_tag,
 )
+from zeroshard.checkpoint.frozen import frozen_values
 from zeroshard.checkpoint.names import flat_names, model_param_shapes, saved_offset
 from zeroshard.checkpoint.rng import RNG_PREFIX, RngState, apply_rng_state, parse_rng_state
 from zeroshard.checkpoint.save import module_names
@@ -122,17 +123,20 @@ def _check_extras(
     """The extras file holds every buffer and frozen parameter the model will take from it, in
     the model's shapes (the index said so; the file must agree, or phase 2's copy would fail)."""
     module = engine.module
-    tensors = dict(module.named_parameters(remove_duplicate=False))
-    tensors.update(module.named_buffers(remove_duplicate=False))
-    wanted = list(buffer_names) + [n for n in reader.index.get("frozen_params", {}) if n in tensors]
+    # Frozen parameters are saved whole by checkpoint name (experts by global name, AutoEP
+    # stacks in their global shape: checkpoint/frozen.py), so compare with the saved shapes.
+    shapes = model_param_shapes(module)
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    shapes.update({name: list(buffers[name].shape) for name in buffer_names})
+    wanted = list(buffer_names) + [n for n in reader.index.get("frozen_params", {}) if n in shapes]
     path = reader.tag_dir / EXTRAS_FILE
     for name in wanted:
         if name not in extras:
             raise CheckpointError(f"{path}: tensor {name!r} missing; {INDEX_FILE} lists it.")
-        if extras[name].shape != tensors[name].shape:
+        if list(extras[name].shape) != list(shapes[name]):
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {list(extras[name].shape)}, the model's is "
-                f"{list(tensors[name].shape)}; the file does not match {INDEX_FILE}."
+                f"{list(shapes[name])}; the file does not match {INDEX_FILE}."
             )
 
 
@@ -277,8 +281,13 @@ def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded
         _, frozen_now, buffer_names = module_names(engine)
         _check_extras(engine, extras, buffer_names, reader)
         module_values = {name: extras[name] for name in buffer_names}
-        for name in frozen_now:  # frozen now; maybe trainable (sharded) when saved
-            module_values[name] = extras[name] if name in extras else reader.read_full(name)
+
+        def saved_whole(name: str) -> torch.Tensor | None:  # frozen now; maybe trainable (sharded) when saved
+            if name in extras:
+                return extras[name]
+            return reader.read_full(name) if name in index["params"] else None
+
+        module_values.update(frozen_values(engine.module, frozen_now, saved_whole))
         loaded = _Loaded(tag_dir=tag_dir, masters=masters, module_values=module_values)
         if options.module_only:
             return loaded  # client state is never read: a module-only load reads tensors and JSON only

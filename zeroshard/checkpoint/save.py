@@ -52,6 +52,7 @@ from zeroshard.checkpoint.format import (
     tmp_tag_dir,
     validate_tag,
 )
+from zeroshard.checkpoint.frozen import frozen_state
 from zeroshard.checkpoint.names import flat_names, saved_offset, state_dict_keys
 from zeroshard.checkpoint.rng import capture_rng_state
 from zeroshard.checkpoint.sync import agree, all_gather_object, describe
@@ -231,11 +232,11 @@ def module_names(engine: Any) -> tuple[dict[str, str], list[str], list[str]]:
     return aliases, frozen, buffer_names
 
 
-def _write_extras(engine: Any, tmp: Path, frozen: list[str], buffer_names: list[str]) -> dict[str, Any]:
-    """Frozen parameters and persistent buffers, as the module holds them."""
-    params = dict(engine.module.named_parameters(remove_duplicate=False))
+def _write_extras(engine: Any, tmp: Path, frozen: dict[str, torch.Tensor], buffer_names: list[str]) -> dict[str, Any]:
+    """Frozen parameters (`frozen`: by checkpoint name, whole, from `frozen_state`) and
+    persistent buffers, as the module holds them."""
     buffers = dict(engine.module.named_buffers(remove_duplicate=False))
-    tensors = {name: params[name].detach().to("cpu", copy=True) for name in frozen}
+    tensors = dict(frozen)
     tensors.update({name: buffers[name].detach().to("cpu", copy=True) for name in buffer_names})
     path = tmp / EXTRAS_FILE
     save_file(tensors, str(path))
@@ -296,8 +297,11 @@ def _flats_table(engine: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _write_rank0_files(engine: Any, tag: str, tmp: Path, manifests: list[dict[str, Any]], client_state: Any) -> None:
-    aliases, frozen, buffer_names = module_names(engine)
+def _write_rank0_files(
+    engine: Any, tag: str, tmp: Path, manifests: list[dict[str, Any]], client_state: Any,
+    frozen: dict[str, torch.Tensor],
+) -> None:
+    aliases, _, buffer_names = module_names(engine)
     extras = _write_extras(engine, tmp, frozen, buffer_names)
     files = {m["file"]: {"size": m["size"], "sha256": m["sha256"]} for m in manifests}
 
@@ -494,10 +498,12 @@ def save_checkpoint(
     if failed:
         raise CheckpointError(f"save_checkpoint: writing the shards failed on rank(s) {sorted(failed)}: {failed}")
 
+    # Every rank: expert-parallel ranks hold different frozen experts (checkpoint/frozen.py).
+    frozen = frozen_state(engine, module_names(engine)[1], keep=rank == 0)
     error = None
     if rank == 0:
         try:
-            _write_rank0_files(engine, tag, tmp, gathered, client_state)
+            _write_rank0_files(engine, tag, tmp, gathered, client_state, frozen)
             _crash_point("before_rename", rank)
             _publish(save_dir, tag, tmp, save_latest)
             _UNFINISHED.discard(tmp.absolute())

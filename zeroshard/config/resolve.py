@@ -66,6 +66,7 @@ def resolve_config(
         except ConfigError as exc:
             problems.extend(exc.problems)
     problems.extend(offload_stage_problems(cfg.zero_optimization))
+    problems.extend(p for section, p in group_size_problems(cfg, world_size) if section not in tainted)
     optimizer = cfg.optimizer
     if optimizer is not None and "optimizer" not in tainted:
         if optimizer.type.lower() == "muon":
@@ -106,6 +107,28 @@ def _scheduler_param_problems(raw: dict, path: str) -> list[str]:
 
 # The components' rules the key-by-key check applies to their sections.
 _SECTION_RULES = {"scheduler": _scheduler_param_problems}
+
+
+def group_size_problems(cfg: ZeroshardConfig, world_size: int) -> list[tuple[str, str]]:
+    """(section, problem) for every size of rank groups the config asks for that the world
+    cannot be cut into; each problem names the key as the user wrote it. The layout builds
+    these groups at initialize (zeroshard/sharding/layout.py) and would refuse them there, so
+    `zeroshard explain` refuses them here too."""
+    problems = []
+    ep = cfg.expert_parallel
+    if ep.enabled and world_size % ep.autoep_size:
+        problems.append(("expert_parallel", (
+            f"expert_parallel.autoep_size={ep.autoep_size}: must divide the world size {world_size} (each "
+            "layer's experts are spread over autoep_size consecutive ranks). Pick a divisor of the number of "
+            "ranks."
+        )))
+    shard = cfg.zeroshard.shard_group_size
+    if shard is not None and world_size % shard:
+        problems.append(("zeroshard", (
+            f"zeroshard.shard_group_size={shard}: must divide the world size {world_size}. Set it to a divisor "
+            "of the number of ranks, or leave it unset to shard over every rank."
+        )))
+    return problems
 
 
 def _param_dtype_problem(cfg: ZeroshardConfig) -> str | None:

@@ -15,11 +15,14 @@ family's routing), with a dropless all-to-all in between (auto_ep_dispatch.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zeroshard.comm.collectives import Group
+from zeroshard.moe.autoep.carry import apply_marks, carried_marks
 from zeroshard.moe.autoep.dispatch import combine, dispatch
 from zeroshard.moe.autoep.expert_paths import CombineImpl, ExpertPath, choose_path, run_experts, weighted_combine
 from zeroshard.moe.autoep.presets import RoutingSettings
@@ -116,13 +119,20 @@ class GroupedExperts(nn.Module):
         last_path: the path the latest forward took.
     """
 
-    def __init__(self, w1: Tensor, w2: Tensor, w3: Tensor, act_fn: nn.Module | None, group_name: str) -> None:
+    def __init__(
+        self, w1: Tensor, w2: Tensor, w3: Tensor, act_fn: nn.Module | None, group_name: str,
+        marks: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """`marks`: per stack ("w1", "w2", "w3"), the attributes and `requires_grad` it carries
+        over from the weights it was built from (zeroshard/moe/autoep/carry.py)."""
         super().__init__()
         self.w1 = nn.Parameter(w1)
         self.w2 = nn.Parameter(w2)
         self.w3 = nn.Parameter(w3)
         self.act_fn = act_fn if act_fn is not None else nn.SiLU()
-        for p in (self.w1, self.w2, self.w3):
+        for stack, stack_marks in (marks or {}).items():
+            apply_marks(getattr(self, stack), stack_marks)
+        for p in (self.w1, self.w2, self.w3):  # after the carried marks: these define the stacks
             p.allreduce = False  # DeepSpeed's expert-parameter markers (zeroshard/moe/utils.py)
             p.group_name = group_name
         self.use_grouped_mm = True
@@ -148,7 +158,10 @@ class AutoEPMoELayer(nn.Module):
 
     _is_autoep_layer = True
 
-    def __init__(self, source: nn.Module, settings: RoutingSettings, ep_size: int, ep_rank: int) -> None:
+    def __init__(
+        self, source: nn.Module, settings: RoutingSettings, ep_size: int, ep_rank: int, name: str = ""
+    ) -> None:
+        """`name`: the block's name in the model, for messages."""
         super().__init__()
         preset = settings.preset
         hf_router = getattr(source, preset.router_pattern)
@@ -166,11 +179,18 @@ class AutoEPMoELayer(nn.Module):
         self.hidden_size = router_weight.shape[1]
         self.router = AutoEPRouter(self.hidden_size, settings, bias)
         # A copy on the source's device and in its dtype (meta too: `zeroshard explain`).
-        self.router.gate.weight = nn.Parameter(
-            router_weight.detach().clone(), requires_grad=router_weight.requires_grad
-        )
+        self.router.gate.weight = nn.Parameter(router_weight.detach().clone())
+        prefix = f"{name}." if name else ""
+        router_name = f"{prefix}{preset.router_pattern}.weight"
+        router_marks = carried_marks(f"{prefix}router.gate.weight", [(router_name, router_weight)])
+        apply_marks(self.router.gate.weight, router_marks)
+        # Every expert's weights, not only this rank's: all ranks then accept or refuse alike.
+        marks = {
+            stack: carried_marks(f"{prefix}experts.{stack}", sources)
+            for stack, sources in _expert_sources(hf_experts, preset, f"{prefix}{preset.experts_pattern}").items()
+        }
         w1, w2, w3 = _local_expert_weights(hf_experts, preset, ep_rank * self.num_local_experts, self.num_local_experts)
-        self.experts = GroupedExperts(w1, w2, w3, getattr(hf_experts, "act_fn", None), self.ep_group_name)
+        self.experts = GroupedExperts(w1, w2, w3, getattr(hf_experts, "act_fn", None), self.ep_group_name, marks)
         for p in (self.experts.w1, self.experts.w2, self.experts.w3):
             # Where this rank's stack sits in the global [E, ...] one (experts are contiguous
             # blocks along dim 0): checkpoints save and load the global tensor, so they are the
@@ -241,6 +261,34 @@ class AutoEPMoELayer(nn.Module):
         if gate_name and gate_name in self.shared_expert_names:
             out = torch.sigmoid(getattr(self, gate_name)(tokens)) * out
         return out
+
+
+def _expert_sources(experts: nn.Module, preset, prefix: str) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Per stack ("w1", "w2", "w3"), the parameters (with their names) it is built from, over
+    every expert of the block."""
+    if isinstance(experts, nn.ModuleList):
+        names = {"w1": preset.expert_w1, "w2": preset.expert_w2, "w3": preset.expert_w3 or "up_proj"}
+        out: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        for stack, attr in names.items():
+            out[stack] = []
+            for i, expert in enumerate(experts):
+                part = getattr(expert, attr)
+                if isinstance(part, nn.Module):
+                    out[stack].append((f"{prefix}.{i}.{attr}.weight", part.weight))
+                else:
+                    out[stack].append((f"{prefix}.{i}.{attr}", part))
+        return out
+
+    def source(attr: str) -> list[tuple[str, nn.Parameter]]:
+        part = getattr(experts, attr)
+        if isinstance(part, nn.Module):
+            return [(f"{prefix}.{attr}.weight", part.weight)]
+        return [(f"{prefix}.{attr}", part)]
+
+    w1 = source(preset.expert_w1)
+    # A fused gate-up tensor is the source of both w1 and w3.
+    w3 = w1 if preset.expert_w3 is None else source(preset.expert_w3)
+    return {"w1": w1, "w2": source(preset.expert_w2), "w3": w3}
 
 
 def _local_expert_weights(experts: nn.Module, preset, first: int, count: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -19,7 +19,7 @@ from torch import nn
 from zeroshard.comm import collectives as comm
 from zeroshard.moe.autoep.layer import AutoEPMoELayer
 from zeroshard.moe.autoep.presets import MoEPreset, RoutingSettings, resolve_routing
-from zeroshard.sharding.layout import check_ep_size, current_layout
+from zeroshard.sharding.layout import current_layout
 from zeroshard.zero.init import gather_partitioned
 
 __all__ = ["replace_moe_layers", "autoep_layers", "AutoEPMoELayer"]
@@ -40,7 +40,11 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
             be split into (each message names the key and the fix).
     """
     world_size = comm.world_size() if world_size is None else world_size
-    check_ep_size(cfg.autoep_size, world_size)
+    if not isinstance(cfg.autoep_size, int) or cfg.autoep_size < 1 or world_size % cfg.autoep_size:
+        raise ValueError(
+            f"expert_parallel.autoep_size={cfg.autoep_size}: must divide the world size {world_size} (each "
+            "layer's experts are spread over autoep_size consecutive ranks). Pick a divisor of the number of ranks."
+        )
     settings = resolve_routing(cfg, getattr(model, "config", None))
     preset = settings.preset
     if cfg.load_balance_coeff is not None and preset.selection_bias is None:
@@ -73,7 +77,7 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
         # at a time) so the experts are copied from their real values; the engine adopts the
         # kept parts (shared experts) afterwards as it does every Init parameter.
         gather_partitioned(list(module.parameters()))
-        layer = AutoEPMoELayer(module, settings, cfg.autoep_size, ep_rank)
+        layer = AutoEPMoELayer(module, settings, cfg.autoep_size, ep_rank, name)
         layer.count_tokens = cfg.load_balance_coeff is not None
         layer.set_expert_kernels(cfg.use_grouped_mm, cfg.disable_triton_grouped_mm, cfg.combine_impl)
         if settings.preset.expert_modules:
