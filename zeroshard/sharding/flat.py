@@ -164,8 +164,6 @@ class FlatParamGroup:
     def _param_home(self) -> torch.Tensor:
         if self.param_shard is not None:
             return self.param_shard
-        if self.params_sharded:  # gathers from the master: its own copy, never the parameter buffer
-            return self.shard_of(self.full)
         return self.shard_of(self.full) if self.policy.shard_optimizer else self.full
 
     def _make_master(self) -> torch.Tensor:

@@ -123,7 +123,9 @@ def _sharded_roles(policy: StagePolicy, param: int, grad: int, master: int, stat
     ]
 
 
-def bytes_per_param(plan: PrecisionPlan, stage: int, state_count: int = 2, group: str | None = None) -> tuple[int, int]:
+def bytes_per_param(
+    plan: PrecisionPlan, stage: int, state_count: int = 2, group: str | None = None, offloaded: bool = False
+) -> tuple[int, int]:
     """Model-state bytes per parameter as ``(a, b)``, meaning ``a * P + b * P / W``.
 
     Args:
@@ -131,11 +133,13 @@ def bytes_per_param(plan: PrecisionPlan, stage: int, state_count: int = 2, group
         stage: ZeRO stage 0-3.
         state_count: optimizer state tensors per element (see ``optimizer_state_count``).
         group: the plan's group to use (default: the first).
+        offloaded: ZeRO-Offload (optimizer or parameters) is on: stage 3 then keeps its
+            parameter shard (see ``master_feeds_gather``).
     """
     role = plan.groups[group or next(iter(plan.groups))]
     policy = stage_policy(stage)
     param, grad = _size(role.param_dtype), _size(role.grad_accum_dtype)
-    if not policy.keep_full_params and master_feeds_gather(role, offloaded=False):
+    if not policy.keep_full_params and master_feeds_gather(role, offloaded):
         param = 0  # stage 3 gathers cast the master: no parameter shard is kept
     master = 0 if role.master_is_param else _size(role.master_dtype)
     state = state_count * _size(role.optimizer_state_dtype)

@@ -44,6 +44,7 @@ def test_stage3_keeps_no_16bit_parameter_shard_beside_the_fp32_master(low):
     # With offload the master (or the gather's source) is on the host: the shard stays.
     offloaded = estimate_memory(plan, 3, W, P, offload_optimizer=True)
     assert offloaded.model_states["params"] == 2 * P // W
+    assert bytes_per_param(plan, 3, offloaded=True) == (0, 16)
 
 
 @pytest.mark.parametrize(
