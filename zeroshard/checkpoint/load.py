@@ -10,7 +10,8 @@ Two phases, so that nothing is half-loaded:
    scheduler state, RNG state. The engine is not touched. The ranks then agree: if any
    rank failed, every rank raises.
 2. *Write*: copy into the engine, then republish the module parameters from the masters
-   (stages 0-2: the full buffers; stage 3: `param_shard`), cast to the parameter dtype.
+   (stages 0-2: the full buffers; stage 3: `param_shard`, or nothing where the next gather
+   casts the master), cast to the parameter dtype.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ class, into one 1-D buffer:
                  slice; the padding at the end is zeros and stays zero. Ranks of one replica
                  group (`spec.replicate`) hold the same shard.
     param_shard  stage 3 only: the persistent copy of this rank's slice in the parameter
-                 dtype, the source of every all-gather.
+                 dtype, the source of every all-gather; None where the gather casts the
+                 master instead (see [Note: gathering from the master]).
     master       what the optimizer steps on: the whole buffer at stage 0, the shard at
                  stages 1-3. In the dtype `role.master_dtype`; when the plan says the master
                  weights are the parameters (fp32 and torch_autocast modes) it is a view of
@@ -100,8 +101,12 @@ class FlatParamGroup:
         self.state = ShardState.UNSHARDED
 
         self._pending_gather: Gathering | None = None  # the all-gather in flight
+        # Stage 3: between uses a parameter lives only as this rank's shard.
+        self.params_sharded = not policy.keep_full_params
+        offloaded = spec.placement != "device" or spec.param_placement != "device"
+        self.gathers_from_master = self.params_sharded and master_feeds_gather(role, offloaded)
         self.param_shard: torch.Tensor | None = None
-        if not policy.keep_full_params:
+        if self.params_sharded and not self.gathers_from_master:
             if spec.param_placement == "host":  # offload_param: the gathers start from the host
                 self.param_shard = host_copy(self.shard_of(self.full), role.param_dtype, spec.pin_memory)
             else:
@@ -163,7 +168,7 @@ class FlatParamGroup:
 
     def _make_master(self) -> torch.Tensor:
         role = self.role
-        home = self.spec.param_placement if self.param_shard is not None else "device"
+        home = self.spec.param_placement if self.params_sharded else "device"
         if self.spec.placement != home:
             # Offload: the master lives apart from the parameters (zeroshard/sharding/offload.py), in
             # its own copy even when the plan says the masters are the parameters.
@@ -206,18 +211,35 @@ class FlatParamGroup:
         """
         if self.state is ShardState.UNSHARDED or self._pending_gather is not None:
             return
-        assert self.param_shard is not None
+        assert self.params_sharded
         # Allocated on the compute stream; the gather stream writes it only after compute's
-        # queued work so far (the allocation, the step's writes of param_shard).
+        # queued work so far (the allocation, the step's writes of param_shard or the master).
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         streams = self.streams
         ready = streams.record(COMPUTE, f"gather-ready:{self.unit_name}")
+        wire = None if exact else self.role.gather_dtype
         with streams.on(GATHER):
             streams.wait(GATHER, ready)
             self._pending_gather = all_gather_shards(
-                [GatherPiece(self.param_shard, self.full)], group=self.spec.shard, tag=tag,
-                wire_dtype=None if exact else self.role.gather_dtype,
+                [self._gather_piece(wire)], group=self.spec.shard, tag=tag, wire_dtype=wire,
             )
+
+    def _gather_piece(self, wire: torch.dtype | None) -> GatherPiece:
+        """[Note: gathering from the master]
+        Stage 3 with a wider master on the parameter's device (bf16/fp16 parameters, fp32
+        masters, no offload) keeps no parameter-dtype shard: it would only ever hold the
+        master cast to the parameter dtype (publish wrote exactly that after each step, and
+        every other writer writes both). The gather casts the master instead, straight into
+        this rank's slot of `full` (an in-place all-gather), so no shard-sized buffer lives
+        between uses: 2 bytes per parameter less for bf16, as FSDP2 keeps only the fp32
+        sharded parameter. The bits are the same cast of the same master. When the wire
+        dtype is not the parameter dtype the value takes both roundings, as it did from the
+        parameter shard: master to parameter dtype (a transient copy), then to the wire."""
+        if self.param_shard is not None:
+            return GatherPiece(self.param_shard, self.full)
+        if wire is None or wire == self.full.dtype:
+            return GatherPiece(self.master, self.full, in_place=True)
+        return GatherPiece(self.master.to(self.full.dtype), self.full)
 
     def finish_gather(self) -> None:
         if self._pending_gather is None:
@@ -241,7 +263,7 @@ class FlatParamGroup:
     def needs_gather_to_publish(self) -> bool:
         """Stages 1-2: the master is a shard but every rank keeps the full parameters, so
         publishing is an all-gather (zeroshard/step/publish.py buckets those across flats)."""
-        return self.policy.shard_optimizer and self.param_shard is None
+        return self.policy.shard_optimizer and not self.params_sharded
 
     def publish_master(self) -> None:
         """After an optimizer step, without communication (stages 0 and 3): make the module
@@ -249,8 +271,9 @@ class FlatParamGroup:
         1-2 publish through `zeroshard.step.publish.publish_masters`, which all-gathers."""
         assert not self.needs_gather_to_publish(), "stages 1-2 publish with publish_masters"
         with torch.no_grad():
-            if self.param_shard is not None:  # stage 3: params stay sharded
-                if self.param_shard is not self.master:
+            if self.params_sharded:  # stage 3: params stay sharded
+                # Gathering from the master: nothing to copy, the next gather casts it.
+                if self.param_shard is not None and self.param_shard is not self.master:
                     self.param_shard.copy_(self.master)
             elif self.master_is_own_copy:  # stage 0 with a separate master
                 self.full.copy_(self.master)
@@ -323,3 +346,16 @@ class FlatParamGroup:
 
     def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         return flat.narrow(0, self.offsets[index], self.numels[index]).view(self.shapes[index])
+
+
+def master_feeds_gather(role: RolePlan, offloaded: bool) -> bool:
+    """Whether a stage-3 flat's gathers cast its master instead of keeping a parameter shard
+    (zeroshard/tools/memory.py counts the same): the master holds exactly the shard's range
+    (stage 3 shards it like the parameters), on the parameters' device, in a wider floating
+    dtype. Not with offload (`offloaded`: the master or the parameter shard on the host), nor
+    where the master is the parameter shard itself or as narrow as it
+    (bf16_master_weights_and_gradients)."""
+    if role.master_is_param or offloaded:
+        return False
+    master, param = role.master_dtype, role.param_dtype
+    return master.is_floating_point and param.is_floating_point and master.itemsize > param.itemsize

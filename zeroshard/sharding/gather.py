@@ -41,10 +41,16 @@ MAX_IN_FLIGHT = 2
 @dataclass(frozen=True)
 class GatherPiece:
     """Gather `source` (this rank's shard, 1-D) from every group member into `target`
-    (1-D, group size x len(source) elements, group-rank-major)."""
+    (1-D, group size x len(source) elements, group-rank-major).
+
+    `in_place`: cast `source` straight into this rank's slot of `target` and gather there,
+    with no buffer of its own (stage 3 gathering from a wider master, flat.py's [Note:
+    gathering from the master]); only for a piece gathered alone in the target's dtype.
+    """
 
     source: torch.Tensor
     target: torch.Tensor
+    in_place: bool = False
 
 
 @dataclass
@@ -80,12 +86,19 @@ class Gathering:
         wire = self._wire_dtype or first.target.dtype
         if len(bucket.slots) == 1 and bucket.columns == first.source.numel() and first.target.dtype == wire:
             # One whole piece in the target's dtype: gather straight into the target. The
-            # source is copied so that a later in-place change of it (an optimizer step on
-            # a master that is the shard) cannot race the collective.
+            # source is copied (into a buffer, or in place into this rank's slot of the
+            # target) so that a later in-place change of it (an optimizer step on a master
+            # that is the shard) cannot race the collective.
             bucket.direct = True
-            mine = first.source.reshape(-1).to(device=first.target.device, dtype=wire, copy=True)
+            source = first.source.reshape(-1)
+            if first.in_place:
+                mine = first.target.narrow(0, group.rank * source.numel(), source.numel())
+                mine.copy_(source)  # the cast to the wire dtype, as `.to` below does
+            else:
+                mine = source.to(device=first.target.device, dtype=wire, copy=True)
             bucket.work = comm.all_gather(first.target, mine, group=group, tag=self._tag, async_op=True)
         else:
+            assert not any(slot.piece.in_place for slot in bucket.slots), "an in-place piece is gathered alone"
             # On the target's device: a host source (offload) is packed into a device bucket.
             mine = torch.empty(bucket.columns, dtype=wire, device=first.target.device)
             for slot in bucket.slots:

@@ -103,9 +103,10 @@ def _write_master(flat: FlatParamGroup, index: int, part: torch.Tensor, in_param
         def region() -> torch.Tensor:  # (a stage-3 full buffer without storage cannot be viewed)
             return flat.full.narrow(0, flat.offsets[index] + in_param, part.numel())
 
-        if flat.param_shard is not None:  # stage 3: the parameter lives as this rank's shard
+        if flat.params_sharded:  # stage 3: the parameter lives as this rank's shard
             overlap = flat.param_range_in_shard(index)
-            if overlap is not None:
+            # Gathering from the master (param_shard None): the master written above is it.
+            if overlap is not None and flat.param_shard is not None:
                 shard_at, param_at, n = overlap
                 lo, hi = max(param_at, in_param), min(param_at + n, in_param + part.numel())
                 if lo < hi:

@@ -199,8 +199,10 @@ def explain_data(
         config.optimizer.type if config.optimizer else None, config.optimizer.params if config.optimizer else None
     )
     per_param = {}
+    zero = config.zero_optimization
+    offloaded = zero.optimizer_offload or zero.param_offload
     for group in plan.groups:
-        replicated, sharded = bytes_per_param(plan, config.zero_optimization.stage, states, group)
+        replicated, sharded = bytes_per_param(plan, zero.stage, states, group, offloaded=offloaded)
         per_param[group] = {"replicated": replicated, "sharded": sharded}
     data["memory"] = {
         "bytes_per_param": per_param,

@@ -9,13 +9,17 @@ stage           parameters          gradients kept      master weights          
 0               P (param dtype)     P (accum dtype)     P (none if master = param)  P
 1               P                   P                   shard                       shard
 2               P                   shard               shard                       shard
-3               shard               shard               shard                       shard
+3               shard (see below)   shard               shard                       shard
 ==============  ==================  ==================  ==========================  =============
 
 Those are the *model states*. For the default mixed-precision Adam case with 16-bit
 accumulation they are the ZeRO paper's numbers (stage 1: 4P + 12P/W bytes; stage 2:
 2P + 14P/W; stage 3: 16P/W); zeroshard's fp32 accumulation default adds 2 bytes per
 accumulated element. In fp32 and torch_autocast modes the master weights are the parameters.
+At stage 3 with a master wider than the parameters on the device (bf16 or fp16 with fp32
+masters, no offload) no parameter shard is kept either: each gather casts the master
+(zeroshard/sharding/flat.py's [Note: gathering from the master]), so the parameters count 0
+between uses and bf16 Adam's stage 3 holds 14P/W bytes with 16-bit accumulation.
 
 *Buffers* come on top, each bounded by a bucket size or a unit, never by the model:
 
@@ -53,6 +57,7 @@ import torch
 
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.precision.plan import GROUP_SAFE, PrecisionPlan
+from zeroshard.sharding.flat import master_feeds_gather
 from zeroshard.sharding.stages import StagePolicy, stage_policy
 
 __all__ = [
@@ -118,7 +123,9 @@ def _sharded_roles(policy: StagePolicy, param: int, grad: int, master: int, stat
     ]
 
 
-def bytes_per_param(plan: PrecisionPlan, stage: int, state_count: int = 2, group: str | None = None) -> tuple[int, int]:
+def bytes_per_param(
+    plan: PrecisionPlan, stage: int, state_count: int = 2, group: str | None = None, offloaded: bool = False
+) -> tuple[int, int]:
     """Model-state bytes per parameter as ``(a, b)``, meaning ``a * P + b * P / W``.
 
     Args:
@@ -126,10 +133,14 @@ def bytes_per_param(plan: PrecisionPlan, stage: int, state_count: int = 2, group
         stage: ZeRO stage 0-3.
         state_count: optimizer state tensors per element (see ``optimizer_state_count``).
         group: the plan's group to use (default: the first).
+        offloaded: ZeRO-Offload (optimizer or parameters) is on: stage 3 then keeps its
+            parameter shard (see ``master_feeds_gather``).
     """
     role = plan.groups[group or next(iter(plan.groups))]
     policy = stage_policy(stage)
     param, grad = _size(role.param_dtype), _size(role.grad_accum_dtype)
+    if not policy.keep_full_params and master_feeds_gather(role, offloaded):
+        param = 0  # stage 3 gathers cast the master: no parameter shard is kept
     master = 0 if role.master_is_param else _size(role.master_dtype)
     state = state_count * _size(role.optimizer_state_dtype)
     replicated = sharded = 0
@@ -287,7 +298,9 @@ def estimate_memory(
         # An offloaded master is a copy of its own, unless the host parameter shard is it.
         master_is_param = role.master_is_param and offload_optimizer == offload_param
         kept = {  # elements of each role held on this rank
-            "params": numel if policy.keep_full_params else shard,
+            "params": numel if policy.keep_full_params else (
+                0 if master_feeds_gather(role, offload_optimizer or offload_param) else shard
+            ),
             "gradients": shard if policy.reduce_every_backward else numel,
             "master_weights": 0 if master_is_param else (shard if policy.shard_optimizer else numel),
             "optimizer_state": optimizer_states * (shard if policy.shard_optimizer else numel),

@@ -46,7 +46,7 @@ def GatheredParameters(
     ordered = [f for f in registry.flats if id(f) in flats] if registry is not None else []
     gathered_here = []
     for flat in ordered:
-        if flat.param_shard is not None and flat.state.value == "sharded":
+        if flat.params_sharded and flat.state.value == "sharded":
             # Exactly, in the parameter dtype: the plan's gather dtype is for compute.
             flat.gather_full(tag="gathered_parameters", exact=True)
             gathered_here.append(flat)

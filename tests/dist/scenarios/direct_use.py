@@ -107,7 +107,7 @@ STEP_FNS = {"engine": engine_loop_step, "retained": retained_backward_step}
 
 
 def _gathered_units(engine) -> list[str]:
-    return [unit.name for unit in engine.units[1:] if unit.gathered and unit.flats[0].param_shard is not None]
+    return [unit.name for unit in engine.units[1:] if unit.gathered and unit.flats[0].params_sharded]
 
 
 def run_direct_use_cases(cases: list[Case]) -> list[dict[str, Any]]:

@@ -25,3 +25,15 @@ def test_exact_gather_keeps_every_bit() -> None:
     target = torch.empty(11, dtype=torch.float64)
     all_gather_shards([GatherPiece(source, target)], group=group, tag="t").wait()
     assert torch.equal(source, target)
+
+
+def test_in_place_piece_casts_the_source_into_the_target_like_a_copy() -> None:
+    # Stage 3's gather from an fp32 master: the bf16 target must hold exactly what a kept
+    # bf16 shard written by `copy_` held (the same round-to-nearest cast).
+    group = comm.self_group(comm.world_group())
+    source = torch.randn(9, dtype=torch.float32, generator=torch.Generator().manual_seed(3))
+    kept = torch.empty(9, dtype=torch.bfloat16).copy_(source)
+    target = torch.full((9,), float("nan"), dtype=torch.bfloat16)
+    all_gather_shards([GatherPiece(source, target, in_place=True)], group=group, tag="t",
+                      wire_dtype=torch.bfloat16).wait()
+    assert torch.equal(target, kept)

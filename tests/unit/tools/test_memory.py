@@ -25,17 +25,31 @@ def plan_for(raw):
 
 
 @pytest.mark.parametrize("low", ["bf16", "fp16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_mixed_precision_adam_with_16bit_accumulation_is_the_zero_paper(low, stage):
     plan = plan_for({low: {"enabled": True}, "data_types": {"grad_accum_dtype": low}})
     estimate = estimate_memory(plan, stage, W, P)
-    expected = {0: 16 * P, 1: 4 * P + 12 * P // W, 2: 2 * P + 14 * P // W, 3: 16 * P // W}[stage]
+    expected = {0: 16 * P, 1: 4 * P + 12 * P // W, 2: 2 * P + 14 * P // W}[stage]
     assert estimate.model_state_bytes == expected == zero_paper_model_state_bytes(stage, P, W)
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+def test_stage3_keeps_no_16bit_parameter_shard_beside_the_fp32_master(low):
+    # The paper's 16P/W less the 2-byte parameter shard: each gather casts the fp32 master.
+    plan = plan_for({low: {"enabled": True}, "data_types": {"grad_accum_dtype": low}})
+    estimate = estimate_memory(plan, 3, W, P)
+    assert estimate.model_states["params"] == 0
+    assert estimate.model_state_bytes == 14 * P // W == zero_paper_model_state_bytes(3, P, W) - 2 * P // W
+    assert bytes_per_param(plan, 3) == (0, 14)
+    # With offload the master (or the gather's source) is on the host: the shard stays.
+    offloaded = estimate_memory(plan, 3, W, P, offload_optimizer=True)
+    assert offloaded.model_states["params"] == 2 * P // W
+    assert bytes_per_param(plan, 3, offloaded=True) == (0, 16)
 
 
 @pytest.mark.parametrize(
     "stage, expected",
-    [(0, 18 * P), (1, 6 * P + 12 * P // W), (2, 2 * P + 16 * P // W), (3, 18 * P // W)],
+    [(0, 18 * P), (1, 6 * P + 12 * P // W), (2, 2 * P + 16 * P // W), (3, 16 * P // W)],
 )
 def test_fp32_accumulation_adds_two_bytes_per_accumulated_element(stage, expected):
     plan = plan_for({"bf16": {"enabled": True}})  # zeroshard's default: fp32 accumulation
@@ -89,8 +103,9 @@ def test_padding_to_a_multiple_of_world_size_is_explicit():
     estimate = estimate_memory(plan, 3, 4, 10)
     group = estimate.per_group["all"]
     assert (group["num_params"], group["padded_num_params"]) == (10, 12)
-    # each rank holds a 3-element shard: bf16 params, fp32 grads, fp32 master, 2 fp32 states
-    assert estimate.model_states == {"params": 6, "gradients": 12, "master_weights": 12, "optimizer_state": 24}
+    # each rank holds a 3-element shard: fp32 grads, fp32 master, 2 fp32 states (no bf16
+    # parameter shard: the gathers cast the master)
+    assert estimate.model_states == {"params": 0, "gradients": 12, "master_weights": 12, "optimizer_state": 24}
 
 
 def test_per_group_counts_in_autocast_mode():
