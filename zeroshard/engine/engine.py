@@ -119,7 +119,7 @@ class Engine(EngineAPI):
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
         )
         # ---- monitoring (zeroshard/monitor/): timers, FLOPs, collectives, MoE figures.
-        self.figures = RunFigures(self.module, config, self.device, self.global_rank)
+        self.figures = RunFigures(self.module, config, self.device, self.global_rank, self.optimizer)
         self.timers = self.figures.timers
 
     def _cast_module(self, model: nn.Module) -> None:

@@ -72,6 +72,10 @@ class CommsLogger(CollectiveLog):
         self._last = table
         return table
 
+    def time_ms(self, kind: str) -> float:
+        """The last interval's time of one kind (0 when none ran)."""
+        return self._last.get(kind, {}).get("time_ms", 0.0)
+
     def summary(self) -> dict[str, float]:
         """The last interval as `comms/<kind>/<figure>`."""
         return {f"comms/{kind}/{name}": float(v) for kind, row in self._last.items() for name, v in row.items()}

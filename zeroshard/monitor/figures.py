@@ -2,6 +2,9 @@
 and the MoE figures, each from its config key, closed and logged (rank 0) every
 `steps_per_print` optimizer steps.
 
+Muon's Newton-Schulz time is on whenever Muon steps, and the MoE figures (with the token
+exchange's all-to-all time) whenever the model has MoE layers.
+
 `summary()` is every figure of the last interval as one flat dict (for `engine.metrics()` and
 users' own loggers); `monitor_events(samples)` the same as DeepSpeed-style monitor events.
 """
@@ -29,19 +32,28 @@ logger = logging.getLogger("zeroshard")
 
 
 class RunFigures:
-    def __init__(self, model: nn.Module, config: ZeroshardConfig, device: torch.device, rank: int) -> None:
+    def __init__(
+        self, model: nn.Module, config: ZeroshardConfig, device: torch.device, rank: int, optimizer: Any = None
+    ) -> None:
         self.rank = rank
         self.steps_per_print = config.steps_per_print
         self.wall_clock_breakdown = config.wall_clock_breakdown
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self.flops = FlopsProfiler(config.flops_profiler, config.zeroshard.peak_tflops, device, dtype)
+        # Muon's figure (the Newton-Schulz time) is on whenever Muon steps.
+        self.muon = "muon" in type(optimizer).__name__.lower()
         # DeepSpeed runs its global timers when either key is on; so do we.
-        self.timers = StepTimers(device, config.wall_clock_breakdown or self.flops.enabled)
+        self.timers = StepTimers(device, config.wall_clock_breakdown or self.flops.enabled or self.muon)
         self.comms = CommsLogger(config.comms_logger)
         if self.comms.enabled:
             collectives._active_logs.append(self.comms)
         self.moe = MoEFigures(model)
-        self._steps = 0
+        # The MoE token exchange's time: from the comms logger, or without it from a timed
+        # recording of the all-to-alls alone.
+        self._exchange = self.comms
+        if self.moe.enabled and not self.comms.enabled:
+            self._exchange = CommsLogger({"enabled": True, "prof_all": False, "prof_ops": ["all_to_all"]})
+            collectives._active_logs.append(self._exchange)
 
     # ------------------------------------------------------------- engine hooks
     def before_forward(self, global_steps: int) -> None:
@@ -71,7 +83,9 @@ class RunFigures:
             self.comms.close_interval()
             lines += self.comms.log_lines()
         if self.moe.enabled:
-            self.moe.close_interval()
+            if self._exchange is not self.comms:
+                self._exchange.close_interval()
+            self.moe.close_interval(self._exchange.time_ms("all_to_all"))
             lines += self.moe.log_lines()
         if self.rank == 0:
             for line in lines:
@@ -82,8 +96,11 @@ class RunFigures:
         """Every figure of the last closed interval, flat (`timers/...`, `flops/...`,
         `comms/...`, `moe/...`); plain floats."""
         out: dict[str, float] = {}
+        timers = self.timers.summary()
         if self.wall_clock_breakdown:
-            out.update(self.timers.summary())
+            out.update(timers)
+        if self.muon and "timers/newton_schulz_ms" in timers:
+            out["muon/newton_schulz_ms"] = timers["timers/newton_schulz_ms"]
         out.update(self.flops.summary())
         out.update(self.comms.summary())
         out.update(self.moe.summary())
@@ -99,6 +116,7 @@ class RunFigures:
         return events
 
     def close(self) -> None:
-        if self.comms in collectives._active_logs:
-            collectives._active_logs.remove(self.comms)
+        for log in (self.comms, self._exchange):
+            if log in collectives._active_logs:
+                collectives._active_logs.remove(log)
         self.moe.remove()

@@ -9,6 +9,8 @@ Per layer, over the steps of an interval (`steps_per_print`), per optimizer step
     aux_loss            the router's auxiliary loss, mean over the interval's forwards
                         (DeepSpeed's MoE layers; AutoEP leaves it to the model)
     bias_norm           L2 norm of an AutoEP router's `e_score_correction_bias`
+    all_to_all_ms       the token exchange's all-to-all time per step, every layer together
+                        (from issue to completion; 0 without expert parallelism)
 
 The counts are this rank's own tokens (no collective is added to read them), accumulated on
 the device in training forwards and read at the interval's end: one host read per interval.
@@ -61,6 +63,7 @@ class MoEFigures:
         self._handles = []
         self._steps = 0
         self._last: dict[str, dict[str, object]] = {}
+        self.all_to_all_ms = 0.0
         for name, router, kind in _routers(model):
             bias = getattr(router, "e_score_correction_bias", None) if kind == "autoep" else None
             tally = _LayerTally(router.num_experts if kind == "autoep" else router.wg.out_features, bias)
@@ -94,10 +97,12 @@ class MoEFigures:
     def step_done(self) -> None:
         self._steps += 1
 
-    def close_interval(self) -> dict[str, dict[str, object]]:
+    def close_interval(self, exchange_ms: float = 0.0) -> dict[str, dict[str, object]]:
         """Per layer: tokens_per_expert (mean per step), min, max, cv, dropped (per step),
-        aux_loss, bias_norm. Starts the next interval."""
+        aux_loss, bias_norm; and the all-to-all time of every layer together (`exchange_ms`
+        over the interval, given per step). Starts the next interval."""
         steps = max(self._steps, 1)
+        self.all_to_all_ms = exchange_ms / steps
         out: dict[str, dict[str, object]] = {}
         for name, tally in self._tallies.items():
             if tally.counts is None:
@@ -124,7 +129,7 @@ class MoEFigures:
 
     def summary(self) -> dict[str, float]:
         """The last interval as `moe/<layer>/<figure>` (the load as `expert<j>_tokens`)."""
-        flat: dict[str, float] = {}
+        flat: dict[str, float] = {"moe/all_to_all_ms": self.all_to_all_ms} if self._last else {}
         for name, row in self._last.items():
             for key, value in row.items():
                 if key == "tokens_per_expert":

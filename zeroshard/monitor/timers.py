@@ -7,9 +7,10 @@
     step           engine.step (optimizer, clipping, publishing; a reduction left by no_sync)
     gather         parameter all-gathers waited for: stage 3 in fwd and bwd, the stage 1-2
                    publish of updated parameters in step
+    newton_schulz  Muon's Newton-Schulz orthogonalisation (inside step)
 
 fwd + bwd + step is the engine's share of a step; bwd_inner + the part of bwd_allreduce inside
-bwd is bwd; gather is a part of fwd, bwd and step, not an addend.
+bwd is bwd; gather and newton_schulz are parts of the others, not addends.
 
 [Note: no host synchronisation]
 On a GPU each span is a pair of CUDA events recorded on the current stream, read (one
@@ -34,7 +35,7 @@ __all__ = ["StepTimers", "timed", "TIMER_NAMES", "MONITOR_NAMES"]
 
 logger = logging.getLogger("zeroshard")
 
-TIMER_NAMES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step", "gather")
+TIMER_NAMES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step", "gather", "newton_schulz")
 # DeepSpeed's monitor events for the timers (written with the samples seen as the x value).
 MONITOR_NAMES = {
     "fwd": "Train/Samples/elapsed_time_ms_forward",
@@ -123,7 +124,7 @@ class StepTimers:
         def total(name: str, parent: str | None = None) -> float:
             return sum(v for (n, p), v in totals.items() if n == name and (parent is None or p == parent))
 
-        out = {name: total(name) / steps for name in ("fwd", "bwd", "bwd_allreduce", "step", "gather")}
+        out = {name: total(name) / steps for name in TIMER_NAMES if name != "bwd_inner"}
         out["bwd_inner"] = out["bwd"] - total("bwd_allreduce", "bwd") / steps
         out["steps"] = float(self._steps)
         self._totals_ms = {}
@@ -142,5 +143,5 @@ class StepTimers:
 
     def log_line(self) -> str:
         """DeepSpeed's timer line: `time (ms) | fwd: 1.23 | bwd: ...` (means per step)."""
-        names = [n for n in TIMER_NAMES if n != "gather" or self._last.get("gather")]
+        names = [n for n in TIMER_NAMES if n not in ("gather", "newton_schulz") or self._last.get(n)]
         return "time (ms)" + "".join(f" | {n}: {self._last[n]:.2f}" for n in names if n in self._last)

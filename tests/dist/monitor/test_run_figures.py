@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.scenarios.common import Case
-from tests.dist.scenarios.monitor import comms_and_timers
+from tests.dist.scenarios.monitor import comms_and_timers, moe_exchange
 
 INTERVAL = 3
 
@@ -34,3 +34,18 @@ def test_comms_summary_is_the_recorder_and_the_breakdown_sums(dist_pool, stage: 
         assert figures["timers/bwd_allreduce_ms"] > 0, rank
         if stage == 3:
             assert figures["timers/gather_ms"] > 0, rank
+
+
+def test_moe_figures_on_two_expert_parallel_ranks(dist_pool) -> None:
+    """On by default: each rank's expert load is its own routes (tokens x k per step, as its
+    routers chose them) and the token exchange's all-to-all took time."""
+    from tests.dist.scenarios.moe_engine import GA, NUM_EXPERTS, TOKENS
+
+    steps = 2
+    for rank, out in enumerate(dist_pool(2).run(moe_exchange, steps, timeout=240)):
+        figures = out["figures"]
+        for i in range(2):
+            load = [figures[f"moe/blocks.{i}.moe/expert{j}_tokens"] for j in range(NUM_EXPERTS)]
+            assert sum(load) == TOKENS * GA * 2, (rank, i, load)  # k = 2
+            assert load == [c / steps for c in out["chosen"][i].tolist()], (rank, i)
+        assert figures["moe/all_to_all_ms"] > 0, rank

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 import zeroshard
 from tests.dist.scenarios.common import Case, build_engine, case_batches, engine_loop_step
 
@@ -31,3 +34,29 @@ def comms_and_timers(case: Case, interval: int) -> dict[str, Any]:
         row["count"] += 1
         row["bytes"] += r.bytes
     return {"recorded": recorded, "figures": engine.figures.summary(), "loop_ms": loop_ms}
+
+
+def moe_exchange(steps: int) -> dict[str, Any]:
+    """tests/dist/scenarios/moe_engine.py's two-layer MoE net with ep_size 2 on two ranks,
+    figures closed every `steps` optimizer steps (no comms_logger): the MoE figures and
+    what the routers chose, counted by the test's own hook."""
+    from tests.dist.scenarios.moe_engine import GA, NUM_EXPERTS, EngineCase, build_model, engine_config, micro_batch
+
+    torch.manual_seed(1234 + dist.get_rank())
+    model = build_model(2)
+    config = {**engine_config(EngineCase(ep_size=2, stage=2)), "steps_per_print": steps}
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    chosen = torch.zeros(2, NUM_EXPERTS, dtype=torch.int64)
+
+    def watch(i):
+        def hook(module, args, output):
+            chosen[i] += output[-1].to(torch.int64)
+        return hook
+
+    for i, block in enumerate(model.blocks):
+        block.moe.deepspeed_moe.gate.register_forward_hook(watch(i))
+    for step in range(steps):
+        for micro in range(GA):
+            engine.backward(engine(*micro_batch(dist.get_rank(), step, micro)))
+            engine.step()
+    return {"figures": engine.figures.summary(), "chosen": chosen}

@@ -49,7 +49,7 @@ def test_expert_load_sums_to_tokens_times_k_and_drops_match_the_capacity(caplog)
             aux, capacity, _, _, _, _, counts = output
             seen[i]["counts"] += counts.double()
             seen[i]["dropped"] += sum(max(0, int(c) - int(capacity)) for c in counts)
-            seen[i]["aux"].append(float(aux))
+            seen[i]["aux"].append(float(aux.detach()))
         return hook
 
     for i, moe in enumerate(model.moes):
