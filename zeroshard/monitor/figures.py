@@ -12,6 +12,7 @@ users' own loggers); `monitor_events(samples)` the same as DeepSpeed-style monit
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,9 +52,12 @@ class RunFigures:
         # The MoE token exchange's time: from the comms logger, or without it from a timed
         # recording of the all-to-alls alone.
         self._exchange = self.comms
-        if self.moe.enabled and not self.comms.enabled:
+        if self.moe.expert_parallel and not self.comms.enabled:
             self._exchange = CommsLogger({"enabled": True, "prof_all": False, "prof_ops": ["all_to_all"]})
             collectives._active_logs.append(self._exchange)
+        # The process-wide recorder holds the logs: an engine dropped without destroy() must
+        # not leave them there, growing with every later engine's collectives.
+        self._detach = weakref.finalize(self, _detach, [self.comms, self._exchange])
 
     # ------------------------------------------------------------- engine hooks
     def before_forward(self, global_steps: int) -> None:
@@ -116,7 +120,11 @@ class RunFigures:
         return events
 
     def close(self) -> None:
-        for log in (self.comms, self._exchange):
-            if log in collectives._active_logs:
-                collectives._active_logs.remove(log)
+        self._detach()
         self.moe.remove()
+
+
+def _detach(logs: list[CommsLogger]) -> None:
+    for log in logs:
+        while log in collectives._active_logs:
+            collectives._active_logs.remove(log)

@@ -71,6 +71,11 @@ class MoEFigures:
             hook = self._autoep_hook if kind == "autoep" else self._deepspeed_hook
             self._handles.append(router.register_forward_hook(hook(tally)))
         self.enabled = bool(self._tallies)
+        # Only then do the layers exchange tokens (an all-to-all to time).
+        self.expert_parallel = any(
+            getattr(m, "ep_size", 1) > 1 for m in model.modules() if getattr(m, "_is_autoep_layer", False)
+            or hasattr(m, "deepspeed_moe")
+        )
 
     @staticmethod
     def _autoep_hook(tally: _LayerTally):

@@ -107,8 +107,9 @@ class StepTimers:
 
     def _read(self) -> None:
         for key, spans in self._pending.items():
-            if self._cuda and spans:
-                spans[-1][1].synchronize()  # the latest event: every earlier one is done too
+            if self._cuda:
+                for _, end in spans:  # spans may sit on different streams
+                    end.synchronize()
             ms = sum(s.elapsed_time(e) if self._cuda else (e - s) * 1e3 for s, e in spans)
             self._totals_ms[key] = self._totals_ms.get(key, 0.0) + ms
         self._pending.clear()
