@@ -14,7 +14,10 @@ INTERVAL = 3
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_comms_summary_is_the_recorder_and_the_breakdown_sums(dist_pool, stage: int) -> None:
-    extra = {"comms_logger": {"enabled": True}, "wall_clock_breakdown": True, "steps_per_print": INTERVAL}
+    # The flops profiler counts step 1 and times step 2, inside the first interval: its
+    # dispatch mode sees stage 3's gathers and the reductions on the way.
+    extra = {"comms_logger": {"enabled": True}, "wall_clock_breakdown": True, "steps_per_print": INTERVAL,
+             "flops_profiler": {"enabled": True, "profile_step": 1}, "zeroshard": {"peak_tflops": 1.0}}
     case = Case(stage=stage, ga=2, steps=2 * INTERVAL, keep=(), extra=extra)
     for rank, out in enumerate(dist_pool(2).run(comms_and_timers, case, INTERVAL, timeout=240)):
         figures, recorded = out["figures"], out["recorded"]
@@ -34,6 +37,7 @@ def test_comms_summary_is_the_recorder_and_the_breakdown_sums(dist_pool, stage: 
         assert figures["timers/bwd_allreduce_ms"] > 0, rank
         if stage == 3:
             assert figures["timers/gather_ms"] > 0, rank
+        assert figures["flops/flops_per_step"] > 0 and 0 < figures["flops/mfu"] < 1, (rank, figures)
 
 
 def test_moe_figures_on_two_expert_parallel_ranks(dist_pool) -> None:
