@@ -9,7 +9,8 @@ sharded (stage3_param_persistence_threshold 0). Forwards with the mode on (as th
 and with it off (the schedule's mode removed, so no torch function is intercepted) take turns
 on the same batch, each followed by its backward, so load that comes and goes hits both alike;
 the forward alone is timed, in wall-clock and in process CPU time (on a shared machine the CPU
-time is the steadier one). Prints how many torch functions one forward sends through the mode,
+time is the steadier one). Prints how many torch functions one forward sends through the mode
+(those given a watched parameter: none in the demo GPT),
 the median forward time of each, and the median of the per-pair ratios on / off. The demo GPT
 uses no parameter directly, so this is the price every stage-3 model pays for the mode, not
 the cost of a direct use. A benchmark, not a test.
@@ -106,7 +107,8 @@ def main() -> None:
         print(
             f"{clock:4s} forward: with the mode {statistics.median(a) * 1e3:.2f} ms, without "
             f"{statistics.median(b) * 1e3:.2f} ms (medians); per-pair ratio {ratio:.3f} (median), "
-            f"{extra / calls * 1e6:.2f} us per torch function"
+            f"{extra * 1e6:.1f} us more per forward"
+            + (f", {extra / calls * 1e6:.2f} us per torch function" if calls else "")
         )
     dist.destroy_process_group()
 

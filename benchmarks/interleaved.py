@@ -17,7 +17,8 @@ table with memory, communication and the other peers.
 
 The workload is peers.py's (benchmarks/peers_workload.py): the demo GPT at --model, the same
 synthetic text and batches, AdamW, clipping at 1.0. Each step starts after a barrier and
-counts as its slowest rank's time; forward / backward / step phases are rank 0's. Prints a
+counts as its slowest rank's time; forward / backward / step phases are rank 0's, and so is
+the CPU time column (process CPU per step: on a shared machine the steadier number). Prints a
 table and writes JSON. A benchmark, not a test: nothing asserts.
 
 With `--device cuda` the ranks use cuda:rank and NCCL, batches are on the GPU, each step is
@@ -85,15 +86,22 @@ def _merge(config: dict, extra: dict) -> dict:
     return config
 
 
-def _zeroshard_runner(workload, mode: str, stage: int, extra: dict, device: torch.device):
+def _zeroshard_runner(workload, mode: str, name: str, extra: dict, device: torch.device):
     from peers_engines import _engine_config, deepspeed_style_step
     from peers_workload import build_model
 
     import zeroshard
 
+    stage, _, variant = name[1:].partition("-")
     model = build_model(workload)
-    config = _merge(_engine_config(workload, mode, stage), extra)
+    config = _merge(_engine_config(workload, mode, int(stage)), extra)
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if variant == "nodirectuse":
+        # Stage 3 without its direct-use mode (zeroshard/sharding/direct_use.py): the floor its
+        # cost is measured against. Only for models that use no parameter outside its unit.
+        engine._grads.params._mode = None
+    elif variant:
+        raise ValueError(f"--engines {name}: unknown variant {variant!r} (known: nodirectuse)")
     return lambda x, y: deepspeed_style_step(engine, x, y, device=device)[1]
 
 
@@ -114,12 +122,13 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     extra = json.loads(args.config_extra)
     runners = {
         n: _ddp_runner(workload, args.mode, device) if n == "ddp"
-        else _zeroshard_runner(workload, args.mode, int(n[1:]), extra, device)
+        else _zeroshard_runner(workload, args.mode, n, extra, device)
         for n in names
     }
     times: dict[str, list[float]] = {n: [] for n in names}
     phases: dict[str, list[list[float]]] = {n: [] for n in names}
     step_peaks: dict[str, list[float]] = {n: [] for n in names}  # CUDA: MiB above the step's start
+    cpu: dict[str, list[float]] = {n: [] for n in names}  # rank 0's process CPU ms (steadier when shared)
     for i in range(workload.total_steps):
         x, y = (t.to(device) for t in plan.batch(i, rank))
         for name, step in runners.items():
@@ -128,13 +137,15 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             if on_cuda:
                 resting = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             phase = step(x, y)
             synchronize(device)
+            cpu_ms = (time.process_time() - cpu_start) * 1e3
             elapsed = torch.tensor([time.perf_counter() - start], device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= workload.warmup:
                 times[name].append(elapsed.item() * 1e3)
+                cpu[name].append(cpu_ms)
                 phases[name].append([p * 1e3 for p in phase])
                 if on_cuda:
                     step_peaks[name].append((torch.cuda.max_memory_allocated(device) - resting) / 2**20)
@@ -142,11 +153,14 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         import zeroshard
 
         base = statistics.median(times[names[0]])
+        cpu_base = statistics.median(cpu[names[0]])
         rows = []
         for name in names:
             median = statistics.median(times[name])
             fwd, bwd, opt = (statistics.median(p[j] for p in phases[name]) for j in range(3))
             rows.append({"engine": name, "step_ms": median, "ratio": median / base,
+                         "cpu_ms": statistics.median(cpu[name]),
+                         "cpu_ratio": statistics.median(cpu[name]) / cpu_base,
                          "forward_ms": fwd, "backward_ms": bwd, "step_phase_ms": opt,
                          "step_peak_over_resting_mib": max(step_peaks[name]) if step_peaks[name] else None})
         meta = {"world_size": args.world_size, "mode": args.mode, "model": args.model, "steps": args.steps,
@@ -166,7 +180,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r")
     parser.add_argument("--engines", default="ddp,s0,s1,s2,s3", help="ddp and/or sN (zeroshard stage N); "
-                        "ratios are to the first")
+                        "ratios are to the first; s3-nodirectuse: stage 3 without its direct-use mode")
     parser.add_argument("--config-extra", default="{}", help="JSON merged into every zeroshard config, e.g. "
                         "'{\"zero_optimization\": {\"reduce_bucket_size\": 200000}}'")
     parser.add_argument("--model", default="small")
@@ -192,11 +206,11 @@ def main() -> None:
           f"zeroshard from {meta['zeroshard']}, config extra {json.dumps(meta['config_extra'])}"
           + (f", {meta['gpu']}" if meta.get("gpu") else ""))
     gpu = meta.get("gpu") is not None
-    print(f"{'engine':>7} {'step ms':>8} {'ratio':>6} {'fwd':>7} {'bwd':>7} {'step':>7}"
+    print(f"{'engine':>7} {'step ms':>8} {'ratio':>6} {'fwd':>7} {'bwd':>7} {'step':>7} {'cpu ms':>7} {'ratio':>6}"
           + (f" {'step peak MiB':>13}" if gpu else ""))
     for r in result["rows"]:
         print(f"{r['engine']:>7} {r['step_ms']:>8.1f} {r['ratio']:>6.3f} {r['forward_ms']:>7.1f} "
-              f"{r['backward_ms']:>7.1f} {r['step_phase_ms']:>7.1f}"
+              f"{r['backward_ms']:>7.1f} {r['step_phase_ms']:>7.1f} {r['cpu_ms']:>7.1f} {r['cpu_ratio']:>6.3f}"
               + (f" {r['step_peak_over_resting_mib']:>13.1f}" if gpu else ""))
     print(f"wrote {args.json}", file=sys.stderr)
 

@@ -51,6 +51,15 @@ class ExpertParallelConfig(_Section):
             optimizer step the routers' selection bias moves by
             ``coeff * sign(mean count - count)``, centred. None: off. Not in DeepSpeed 0.19,
             which refuses any value but null.
+        use_grouped_mm: True: the experts run as one grouped computation (torch._grouped_mm on
+            CUDA bf16 at compute capability 9.0+, else one padded bmm while the padding is small,
+            else the loop); False: one matmul per expert (zeroshard/moe/autoep/expert_paths.py).
+        disable_triton_grouped_mm: DeepSpeed's switch from its Triton kernel to
+            torch._grouped_mm on GPUs below 9.0. There is no Triton kernel here: True uses
+            torch._grouped_mm wherever torch runs it for the device and dtype (CPU, older GPUs),
+            not only where it is the fast kernel. Only with use_grouped_mm.
+        combine_impl: how each token's k expert outputs are summed with their weights:
+            "auto" / "weighted_sum" elementwise; "legacy_bmm" DeepSpeed's fp32 batched matmul.
     """
 
     enabled: bool = False
@@ -75,15 +84,13 @@ class ExpertParallelConfig(_Section):
     num_expert_groups: JsonInt | None = Field(None, ge=1)
     num_limited_groups: JsonInt | None = Field(None, ge=1)
     load_balance_coeff: float | None = Field(None, gt=0)
-    # Accepted, no effect: kernels and transports that change no result here.
     use_grouped_mm: bool = True
     disable_triton_grouped_mm: bool = False
     combine_impl: Literal["auto", "weighted_sum", "legacy_bmm"] = "auto"
+    # Accepted, no effect: there is no AutoTP folding here to validate.
     validate_folding_routing: bool = False
 
-    NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
-        {"use_grouped_mm", "disable_triton_grouped_mm", "combine_impl", "validate_folding_routing"}
-    )
+    NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"validate_folding_routing"})
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
         {
             "preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern", "expert_w1", "expert_w2",

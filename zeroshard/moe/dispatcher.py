@@ -5,9 +5,10 @@ local experts, send the results back and combine each token's routes by their ga
 Layout of the exchanged buffer: [experts E, capacity C, d_model M] with E = ep_size x
 num_local_experts, expert-major, so the i-th of ep_size equal slices holds the slots of the
 experts on expert-parallel rank i (global expert `ep_rank * num_local_experts + j`). Every rank
-of the group exchanges the same number of elements (the capacity is the same on all of them:
-from the same formula, or agreed by the router's MAX all-reduce), so a rank whose experts got
-no tokens still takes part with zero-filled slots and nobody waits on it.
+of the group exchanges the same number of elements: the router agrees the capacity by a MAX
+all-reduce before any slot is filled (zeroshard/moe/sharded_moe.py), so ranks holding
+different numbers of tokens (a smaller last batch, dynamic padding) exchange equal buffers,
+and a rank whose experts got no tokens still takes part with zero-filled slots.
 """
 
 from __future__ import annotations

@@ -9,9 +9,12 @@ it moves no tokens (zeroshard/moe/dispatcher.py does). Every gating function com
   expert by argmax of the logits, Gumbel-noised when `top2_2nd_expert_sampling`, with the first
   masked out) or top-k (the k highest probabilities).
 * **capacity**: `ceil(S / E * capacity_factor * k)`, at least `min_capacity`, computed in fp32
-  as DeepSpeed does. Without drops (`drop_tokens=False`) it is the largest expert load, agreed
-  by exactly one MAX all-reduce on `ep_group` (none when the group is None or one rank) so the
-  all-to-all's buffers match on every rank of the group.
+  as DeepSpeed does. Without drops (`drop_tokens=False`) it is the largest expert load. Either
+  way it is agreed by exactly one MAX all-reduce on `ep_group` (none when the group is None or
+  one rank): ranks may hold different token counts S (a smaller last batch, dynamic padding),
+  and the all-to-all exchanges E x C slots with every rank of the group, so every rank must use
+  the same C. With drops that is the capacity of the rank holding the most tokens (DeepSpeed
+  agrees only the dropless one, and its ranks then abort in the exchange).
 * **drops**: top-1 keeps per expert a random subset (`use_rts`: random token selection, the
   torch RNG) or the first arrivals; top-2 the first arrivals, every first choice before any
   second choice; top-k by `drop_policy`: "probs" keeps per expert the tokens with the highest
@@ -84,12 +87,18 @@ def _capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_cap
     return torch.clamp(capacity, min=int(min_capacity))
 
 
+def _agreed_capacity(capacity: Tensor, device: torch.device, ep_group: Group | None) -> Tensor:
+    """The largest of the expert-parallel group's capacities (this rank's with no group)."""
+    if ep_group is None or ep_group.size == 1:
+        return capacity
+    capacity = capacity.to(device=device, dtype=torch.int64, copy=True)
+    comm.all_reduce(capacity, group=ep_group, op=torch.distributed.ReduceOp.MAX, tag="moe_capacity")
+    return capacity
+
+
 def _dropless_capacity(exp_counts: Tensor, ep_group: Group | None) -> Tensor:
     """The largest expert load on any rank of the expert-parallel group."""
-    capacity = exp_counts.max().to(torch.int64)
-    if ep_group is not None and ep_group.size > 1:
-        comm.all_reduce(capacity, group=ep_group, op=torch.distributed.ReduceOp.MAX, tag="moe_capacity")
-    return capacity
+    return _agreed_capacity(exp_counts.max(), exp_counts.device, ep_group)
 
 
 def _first_arrivals(mask: Tensor, capacity: Tensor) -> Tensor:
@@ -164,6 +173,8 @@ def top1gating(
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
     capacity = _capacity(num_tokens, num_experts, capacity_factor, min_capacity)
+    if drop_tokens:
+        capacity = _agreed_capacity(capacity, logits.device, ep_group)
 
     chooser = logits + gumbel_rsample(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
     mask1 = F.one_hot(torch.argmax(chooser, dim=1), num_classes=num_experts)
@@ -219,7 +230,9 @@ def top2gating(
     exp_counts = (mask1 + mask2).sum(dim=0).detach()
 
     if drop_tokens:
-        capacity = _capacity(num_tokens, num_experts, capacity_factor * 2, min_capacity)
+        capacity = _agreed_capacity(
+            _capacity(num_tokens, num_experts, capacity_factor * 2, min_capacity), logits.device, ep_group
+        )
         mask1 = mask1 * torch.lt(locations1, capacity)
         mask2 = mask2 * torch.lt(locations2, capacity)
     else:
@@ -263,7 +276,9 @@ def topkgating(
     l_aux = torch.mean(me * ce) * num_experts * num_experts / k
 
     if drop_tokens:
-        capacity = _capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
+        capacity = _agreed_capacity(
+            _capacity(num_tokens, num_experts, capacity_factor * k, min_capacity), logits.device, ep_group
+        )
         if drop_policy == "probs":
             topk_masked_gates = torch.zeros_like(gates).scatter(1, top_idx, top_gate)
             mask = _top_per_expert(mask, topk_masked_gates, capacity)
@@ -294,7 +309,7 @@ class TopKGate(nn.Module):
 
     Attributes:
         wg: the [num_experts, model_dim] scoring weight (`<moe>.deepspeed_moe.gate.wg.weight`).
-        ep_group: the expert-parallel group the dropless capacity is agreed on.
+        ep_group: the expert-parallel group the capacity is agreed on.
     """
 
     def __init__(

@@ -1,7 +1,9 @@
 """The whole sequence from every rank's slice: a differentiable all-gather along the sequence.
 
-Slices may have any lengths: lengths are exchanged first, and the padding that makes the
-all-gather's pieces equal is removed from the result. Used by AutoSP's ViT wrapper (which
+Slices may have any lengths: shapes are exchanged first (zeroshard/sequence/shapes.py), and the
+padding that makes the all-gather's pieces equal is removed from the result. Every other
+dimension must be the same on every rank; if not, every rank raises a ValueError naming the
+shapes (the all-gather's sizes would differ, which gloo answers with an abort). Used by AutoSP's ViT wrapper (which
 attends over the whole patch sequence), the fusion adapters (which gather the token ids) and
 `padding.unshard_sequence`.
 """
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.comm import collectives as comm
+from zeroshard.sequence.shapes import gather_shapes
 
 __all__ = ["gather_sequence"]
 
@@ -23,10 +26,15 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: comm.Group, dim: int) -> Tensor:
-        lengths = torch.tensor([x.shape[dim]], dtype=torch.long, device=x.device)
-        all_lengths = lengths.new_empty(group.size)
-        comm.all_gather(all_lengths, lengths, group=group, tag="sequence")
-        sizes = all_lengths.tolist()
+        shapes = [rank[0] for rank in gather_shapes([tuple(x.shape)], group, x.device)]
+        others = {s[:dim] + s[dim + 1 :] if len(s) == x.dim() else s for s in shapes}
+        if len(others) > 1:
+            listed = "; ".join(f"rank {r}: {list(s)}" for r, s in zip(group.ranks, shapes, strict=True))
+            raise ValueError(
+                f"gather_sequence along dim {dim} over ranks {list(group.ranks)}: the slices differ in another "
+                f"dimension ({listed}). Only the sequence dimension may differ between the ranks' slices."
+            )
+        sizes = [s[dim] for s in shapes]
         longest = max(sizes)
         moved = x.movedim(dim, 0)
         padded = moved.new_zeros((longest, *moved.shape[1:]))

@@ -12,6 +12,12 @@ says which is the batch), and the heads dimension is whichever of `scatter_idx`/
 is >= 2. `scatter_idx >= 2` scatters heads and gathers the sequence; the inverse call swaps
 the two indices.
 
+Every rank of the group must hold the same shapes (an equal slice of the same samples): the
+exchange's sizes come from them. `DistributedAttention` and a direct `_SeqAllToAll` call check
+that first, by one small all-gather of the shapes (zeroshard/sequence/shapes.py), so ranks with
+different local lengths or batches get a ValueError on every rank instead of an abort in the
+all-to-all.
+
 Heads need not divide P: the first `H % P` ranks take one extra head, and the all-to-all moves
 uneven chunks. Grouped-query attention keeps its key/value heads shared: each rank receives
 the key/value heads its query heads use (a key/value head is sent to several ranks when there
@@ -26,6 +32,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.comm import collectives as comm
+from zeroshard.sequence.shapes import agree_shapes
 
 __all__ = [
     "DistributedAttention",
@@ -252,7 +259,9 @@ class _SeqAllToAll(torch.autograd.Function):
         group = comm.as_group(group)
         head_dim, seq_dim = _dims(scatter_idx, gather_idx, batch_dim_idx)
         scatters_heads = scatter_idx >= 2
-        if counts is None:  # every rank holds the same number of heads after the exchange
+        if counts is None:  # a direct call (DistributedAttention passes counts, its shapes agreed)
+            agree_shapes({"input": input}, group, "Ulysses all-to-all (_SeqAllToAll)", _EQUAL_SLICES)
+            # every rank holds the same number of heads after the exchange
             total = input.shape[head_dim] * (1 if scatters_heads else group.size)
             counts = head_counts(total, group.size)
         ctx.args = (group, scatter_idx, gather_idx, batch_dim_idx, counts)
@@ -296,6 +305,13 @@ def kv_selection(num_q: int, num_kv: int, world: int) -> tuple[list[int] | None,
     if selection == list(range(num_kv)):
         return None, kv_counts
     return selection, kv_counts
+
+
+_EQUAL_SLICES = (
+    "Every rank of a sequence-parallel group must hold an equal slice of the same samples: pad the whole "
+    "sequence to a multiple of the group size and shard it (UlyssesSPDataLoaderAdapter, or "
+    "zeroshard.sequence.padding.shard_sequence), and give the group's ranks the same batch."
+)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -347,6 +363,9 @@ class DistributedAttention(torch.nn.Module):
         gathered query and key before the local attention.
         """
         group = comm.as_group(self.spg)
+        # Every exchange below (and its gradient) is sized by these shapes.
+        agree_shapes({"query": query, "key": key, "value": value}, group, "Ulysses attention (DistributedAttention)",
+                     _EQUAL_SLICES)
         head_dim = self.scatter_idx
         num_q, num_kv = query.shape[head_dim], key.shape[head_dim]
         if self.num_kv_heads is not None and num_kv != self.num_kv_heads:

@@ -38,7 +38,8 @@ from torch import Tensor
 from zeroshard.comm import collectives as comm
 from zeroshard.sequence import parallel_state_sp
 from zeroshard.sequence.dataloader import UlyssesSPDataLoaderAdapter
-from zeroshard.sequence.layer import exchange_heads, head_counts, kv_selection
+from zeroshard.sequence.layer import _EQUAL_SLICES, exchange_heads, head_counts, kv_selection
+from zeroshard.sequence.shapes import agree_shapes
 from zeroshard.sequence.tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 
 __all__ = [
@@ -117,6 +118,10 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         core = self._core(module)
         if self.disable_in_eval and not module.training:
             return core(module, query, key, value, attention_mask, *args, **kwargs)
+        # First, so that a rank whose slice is off fails together with the others, not alone
+        # (the others would wait in the exchange): every exchange here is sized by these shapes.
+        agree_shapes({"query": query, "key": key, "value": value}, self.group, "Ulysses attention (ALST)",
+                     _EQUAL_SLICES)
         local = query.shape[2]
         if not self.seq_length_is_variable and local != self.local_seq_length:
             raise ValueError(

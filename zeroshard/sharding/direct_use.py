@@ -5,19 +5,34 @@ Module hooks gather a unit when its module, or any of its submodules, runs (para
 A model can also read a unit's parameter as a tensor from code the unit does not own: the
 root's `h @ self.blocks[0].fc.weight`, `F.linear(x, self.blocks[1].fc.weight)`, another unit's
 forward using it, or a weight shared by reference (an lm head tied to an embedding that is a
-unit of its own). No module hook sees these. `DirectUseMode`, a TorchFunctionMode that is active
-during the root module's forward (only at stage 3, only when some unit is sharded), sees every
-torch function's arguments: when one of them is a parameter of a sharded unit whose module is
-not running, the schedule gathers that unit before the function runs (`use`) and keeps it
-gathered until the end of the backward that follows (see ParamSchedule's pins).
+unit of its own). No module hook sees these. While the root module's forward runs (only at
+stage 3, only when some unit is sharded), every parameter of a sharded unit whose module is not
+running has the class `WatchedParameter`, an `nn.Parameter` subclass with a `__torch_function__`: every torch
+function given such a parameter (an op, a method, a property; inside a list too, as torch.cat
+takes them) calls it, and it has the schedule gather that unit before the function runs (`use`)
+and keep it gathered until the end of the backward that follows (see ParamSchedule's pins).
+The schedule flips a unit's parameters back to `nn.Parameter` while its module (or one of its
+submodules) runs, and all of them when the root forward ends, so the unit's own code and
+everything outside the forward (backward, step, checkpoints) dispatch as before.
 
 What counts as a use: any function that reads values (an op, `.data`, `.T`, printing).
 Metadata (`shape`, `dtype`, `size()`, `requires_grad`, ...) is answered from the tensor as it
 is, without a collective: outside a gather that is the empty tensor (`p.ds_shape` has the full
 shape), so that reading metadata on one rank only (a log line) cannot hang the others.
 
-The cost is one Python call per torch function in the forward, plus a scan of its arguments
-(benchmarks/direct_use_mode.py measures it on the demo model).
+[Note: why a parameter class, not a TorchFunctionMode]
+A TorchFunctionMode active during the forward sees the same uses, but every torch function
+of the forward goes through Python for it, and functions written in Python (F.dropout,
+F.layer_norm, Tensor.split) through torch's slower generic override path: stage 3 spent about
+5% more CPU time in its forward, with a mode whose body did nothing. A tensor subclass costs
+nothing for a function that takes no watched parameter, which is every function of a model
+that uses its parameters only in their own units; switching a unit's parameters' class costs
+about 0.2 us per parameter at each unit's forward and at the root's.
+What a subclass does not do that a mode would: see a parameter passed along with a tensor
+subclass of the user's whose `__torch_function__` handles the call without deferring to the
+other types (torch's dispatch then never asks ours); and a function given a watched parameter
+runs with subclass dispatch off, so such a user subclass passed with it is not asked either.
+benchmarks/direct_use_mode.py measures the forward with the watch on and off.
 """
 
 from __future__ import annotations
@@ -27,7 +42,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 # Tensor properties whose getter returns a tensor aliasing the values: a use.
 _VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
@@ -57,10 +71,11 @@ def _is_in_place(func: Any, kwargs: dict) -> bool:
     return "out" in kwargs or (name.endswith("_") and not name.endswith("__"))
 
 
-class DirectUseMode(TorchFunctionMode):
-    """Calls `find(args, kwargs)` for every torch function; when it names units used from
-    outside, `use(units)` before the function runs and `wrap(output, units)` after it (not
-    for in-place functions, whose output is their input)."""
+class DirectUseMode:
+    """Watches the parameters it is told to (`watch`), while armed (`arm` and `disarm`, around
+    the root forward). A torch function given a watched parameter calls `find(args, kwargs)`;
+    when it names units used from outside, `use(units)` runs before the function and
+    `wrap(output, units)` after it (not for in-place functions, whose output is their input)."""
 
     def __init__(
         self,
@@ -68,11 +83,24 @@ class DirectUseMode(TorchFunctionMode):
         use: Callable[[list], None],
         wrap: Callable[[Any, list], Any],
     ) -> None:
-        super().__init__()
         self._find, self._use, self._wrap = find, use, wrap
+        # A class of its own, so that a function finds this mode from the parameter's type.
+        self._watched = type("WatchedParameter", (WatchedParameter,), {"_mode": self, "__module__": __name__})
+        self.armed = False
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def arm(self) -> None:
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def watch(self, params: list[nn.Parameter], watched: bool) -> None:
+        """Give `params` the watched class (`watched`, and only while armed) or back the plain one."""
+        cls = self._watched if watched and self.armed else nn.Parameter
+        for p in params:
+            p.__class__ = cls
+
+    def intercept(self, func, args: tuple, kwargs: dict):
         units = self._find(args, kwargs)
         if not units or not _is_value_read(func):
             return func(*args, **kwargs)
@@ -81,6 +109,38 @@ class DirectUseMode(TorchFunctionMode):
         if _is_in_place(func, kwargs):
             return output
         return self._wrap(output, units)
+
+
+class WatchedParameter(nn.Parameter):
+    """The class of a parameter that `DirectUseMode.watch` watches (one subclass per mode)."""
+
+    _mode: DirectUseMode | None = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Subclass dispatch off inside: the function sees plain parameters, its outputs stay
+        # plain tensors, and no nested function comes back here.
+        with torch._C.DisableTorchFunctionSubclass():
+            modes = [t._mode for t in types if issubclass(t, WatchedParameter) and t._mode is not None]
+            if len(modes) == 1:
+                return modes[0].intercept(func, args, kwargs)
+            return _intercept_all(modes, func, args, kwargs)
+
+
+def _intercept_all(modes: list[DirectUseMode], func, args: tuple, kwargs: dict):
+    """Parameters of several engines' units in one call (rare): each engine gathers its own."""
+    found = [(mode, units) for mode in modes if (units := mode._find(args, kwargs))]
+    if not found or not _is_value_read(func):
+        return func(*args, **kwargs)
+    for mode, units in found:
+        mode._use(units)
+    output = func(*args, **kwargs)
+    if _is_in_place(func, kwargs):
+        return output
+    for mode, units in found:
+        output = mode._wrap(output, units)
+    return output
 
 
 def param_finder(owner: dict[int, Any], outside: Callable[[Any], bool]) -> Callable[[tuple, dict], list | None]:

@@ -34,7 +34,7 @@ A unit whose parameter is used directly (zeroshard/sharding/direct_use.py's note
 the use and kept gathered, whatever its own hooks or its reduction would free, until the end
 of the backward that follows (`free_all` at the epilogue), or the end of the forward when no
 output of it requires grad (no backward can follow: evaluation, `torch.no_grad()`). Keeping it
-is what makes the use safe in backward, where no mode sees the tensors: an op's saved views of
+is what makes the use safe in backward, where nothing watches the parameters: an op's saved views of
 the parameter, an activation checkpoint's recomputation (reentrant checkpointing runs the
 forward under no_grad, so grad mode cannot decide the pin), an in-place op. The outputs of a
 direct use also gather and pin the unit when the gradient reaches them, for a second backward
@@ -100,13 +100,18 @@ class ParamSchedule:
                         module.register_forward_hook(EngineHook(self._part_post(unit)), always_call=True)
                     )
         # Parameters of the units that are gathered and freed (not the root's, not resident ones).
-        owner = {id(p): unit for unit in units[1:] for flat in unit.flats for p in flat.params
-                 if not flat.policy.keep_full_params}
+        self._watched: dict[int, list[torch.nn.Parameter]] = {}  # unit id -> its parameters the mode watches
+        owner = {}
+        for unit in units[1:]:
+            for flat in unit.flats:
+                if not flat.policy.keep_full_params:
+                    self._watched.setdefault(id(unit), []).extend(flat.params)
+                    owner.update((id(p), unit) for p in flat.params)
         self._mode = (
             DirectUseMode(param_finder(owner, self._outside), self._use_directly, self._wrap_direct_output)
             if owner else None
         )
-        self._mode_depth = 0
+        self._armed: DirectUseMode | None = None  # the mode armed by the running root forward
         for unit in units:
             within = {id(m) for m in unit.module.modules()}
             covered = [u for u in units if id(u.module) in within]  # the root's: every unit
@@ -114,6 +119,7 @@ class ParamSchedule:
             self._handles.append(unit.module.register_state_dict_pre_hook(refuse))
 
     def remove(self) -> None:
+        self._disarm()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -126,18 +132,19 @@ class ParamSchedule:
             if not self._in_backward():
                 self._order_now = []
                 self._pinned_now = []
+            self._disarm()  # armed still if a forward raised before its root hook could end it
             if self._mode is not None:
-                self._mode.__enter__()
-                self._mode_depth += 1
+                self._mode.arm()
+                self._armed = self._mode
+                for unit in self.units[1:]:
+                    self._rewatch(unit)
         self.root.gather()
 
     def root_post_forward(self, outermost: bool, backward_may_follow: bool) -> None:
         """`backward_may_follow`: some output of the forward requires grad."""
         if not outermost:
             return
-        if self._mode_depth:
-            self._mode_depth -= 1
-            self._mode.__exit__(None, None, None)
+        self._disarm()
         if not self._in_backward():
             if self._order_now:
                 self._forward_order = list(self._order_now)
@@ -172,6 +179,19 @@ class ParamSchedule:
         """Neither the unit's module nor one of its submodules is running its forward."""
         return id(unit) not in self._running and not self._parts_running.get(id(unit))
 
+    def _rewatch(self, unit: Unit) -> None:
+        """Watch the unit's parameters while the mode is armed and the unit is `_outside`
+        (direct_use.py's note): call it whenever either changes."""
+        if self._armed is not None and id(unit) in self._watched:
+            self._armed.watch(self._watched[id(unit)], self._outside(unit))
+
+    def _disarm(self) -> None:
+        mode, self._armed = self._armed, None
+        if mode is not None:
+            mode.disarm()
+            for params in self._watched.values():
+                mode.watch(params, False)
+
     def _use_directly(self, units: list[Unit]) -> None:
         """A parameter of each unit is about to be read by code outside it: gather and pin."""
         for unit in units:
@@ -194,6 +214,7 @@ class ParamSchedule:
     def _unit_pre(self, unit: Unit):
         def pre(module, args):
             self._running.add(id(unit))
+            self._rewatch(unit)
             unit.gather()
             if self._in_backward():
                 self._prefetch(unit, -1)  # a checkpoint's recomputation: backward order
@@ -220,6 +241,7 @@ class ParamSchedule:
     def _unit_post(self, unit: Unit):
         def post(module, args, output):
             self._running.discard(id(unit))
+            self._rewatch(unit)
             # During a backward the forward is a checkpoint's recomputation: the backward
             # that follows needs the parameters, so they are freed after it instead.
             if not self._in_backward() and id(unit) not in self._pinned:
@@ -266,6 +288,7 @@ class ParamSchedule:
         def pre(module, args):
             if id(unit) not in self._running:
                 self._parts_running[id(unit)] = self._parts_running.get(id(unit), 0) + 1
+                self._rewatch(unit)
                 unit.gather()
 
         return pre
@@ -279,6 +302,7 @@ class ParamSchedule:
             if id(unit) in self._running:
                 return None
             self._parts_running[id(unit)] = max(0, self._parts_running.get(id(unit), 0) - 1)
+            self._rewatch(unit)
             return wrap_outputs(output, on_grad)
 
         return post

@@ -10,10 +10,14 @@ all-to-all's backward brings its expert-parallel group's tokens' gradients to it
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from tests.dist.scenarios.moe_layer import LayerCase, bad_ep_size, build_layer, layer_cases, rank_batch
+from tests.dist.scenarios.moe_layer import (
+    NUM_EXPERTS, LayerCase, bad_ep_size, build_layer, layer_cases, rank_batch,
+)
 
 WORLD = 4
 TIMEOUT_S = 300
@@ -23,11 +27,12 @@ ATOL, RTOL = 1e-5, 1e-5
 
 DROPLESS = [LayerCase(ep, k) for ep in (1, 2, 4) for k in (1, 2, 3)]
 ZERO_TOKEN = [LayerCase(ep, 1, drop_tokens=drop, all_to_expert_zero=True) for ep in (2, 4) for drop in (False, True)]
+UNEVEN = [LayerCase(ep, k, drop_tokens=True, uneven=True) for ep in (2, 4) for k in (1, 2, 3)]
 
 
 @pytest.fixture(scope="module")
 def runs(dist_pool):
-    return dist_pool(WORLD).run(layer_cases, DROPLESS + ZERO_TOKEN, timeout=TIMEOUT_S)
+    return dist_pool(WORLD).run(layer_cases, DROPLESS + ZERO_TOKEN + UNEVEN, timeout=TIMEOUT_S)
 
 
 def reference(case: LayerCase) -> dict:
@@ -134,3 +139,44 @@ def test_all_to_all_with_split_sizes(dist_pool) -> None:
         expected = torch.cat([torch.full((rank + 1, 2), float(10 * j + rank)) for j in range(WORLD)])
         assert torch.equal(result["recv"], expected), rank
         assert result["records"] == [("all_to_all", 2 * (1 + 2 + 3 + 4), "test", (0, 1, 2, 3))]
+
+
+def capacity_of(case: LayerCase, tokens: int) -> int:
+    """ceil(S / E x capacity_factor 1 x k), at least min_capacity 1 (float64 formula)."""
+    return max(1, math.ceil(tokens / NUM_EXPERTS * 1.0 * case.k))
+
+
+@pytest.mark.parametrize("index", range(len(UNEVEN)), ids=[c.label for c in UNEVEN])
+def test_uneven_token_counts_with_drops_use_the_group_capacity(runs, index: int) -> None:
+    """Ranks hold 3, 7, 11 and 15 tokens with drops: every rank of an expert-parallel group
+    uses the capacity of its group's largest batch (agreed by a MAX all-reduce; before, the
+    all-to-all's sizes differed and gloo aborted), so each rank equals one process running its
+    batch at that capacity: outputs, input gradients, and each expert's gradient summed over
+    the ranks holding it."""
+    case = UNEVEN[index]
+    result = [runs[r][len(DROPLESS) + len(ZERO_TOKEN) + index] for r in range(WORLD)]
+    expert_sums: dict[int, dict[str, torch.Tensor]] = {}
+    own_capacity_differs = False  # the agreement matters: some rank would drop other routes alone
+    for rank in range(WORLD):
+        first = rank - rank % case.ep_size
+        capacity = max(capacity_of(case, rank_batch(case, r)[0].shape[0]) for r in range(first, first + case.ep_size))
+        moe = build_layer(case, ep_size=1)
+        moe.deepspeed_moe.gate.min_capacity = capacity
+        x, w = rank_batch(case, rank)
+        x.requires_grad_(True)
+        out, _, _ = moe(x)
+        (out * w).sum().backward()
+        torch.testing.assert_close(result[rank]["out"], out.detach(), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(result[rank]["x_grad"], x.grad, atol=ATOL, rtol=RTOL)
+        for j, module in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+            sums = expert_sums.setdefault(j, {})
+            for n, p in module.named_parameters():
+                sums[n] = sums.get(n, 0) + p.grad
+        moe.deepspeed_moe.gate.min_capacity = 1
+        with torch.no_grad():
+            own_capacity_differs |= not torch.allclose(moe(x)[0], out, atol=ATOL, rtol=RTOL)
+    assert own_capacity_differs
+    for g, ref_grads in expert_sums.items():
+        holders = [result[r]["expert_grads"][g] for r in range(WORLD) if g in result[r]["expert_grads"]]
+        for name, ref_grad in ref_grads.items():
+            torch.testing.assert_close(sum(h[name] for h in holders), ref_grad, atol=ATOL, rtol=RTOL)

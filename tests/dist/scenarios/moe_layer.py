@@ -27,12 +27,13 @@ class LayerCase:
     k: int
     drop_tokens: bool = False
     all_to_expert_zero: bool = False
+    uneven: bool = False  # with drops: 3, 7, 11, 15 tokens on ranks 0-3
 
     @property
     def label(self) -> str:
         return f"ep{self.ep_size}-k{self.k}-{'drop' if self.drop_tokens else 'dropless'}" + (
             "-zero-token-experts" if self.all_to_expert_zero else ""
-        )
+        ) + ("-uneven" if self.uneven else "")
 
 
 def make_expert() -> nn.Module:
@@ -52,8 +53,8 @@ def gate_weight(case: LayerCase) -> torch.Tensor:
 
 def rank_batch(case: LayerCase, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, loss weights) of `rank`; token counts differ per rank when nothing is dropped
-    (the agreed capacity must cover that)."""
-    tokens = 8 if case.drop_tokens else 5 + rank
+    and in the uneven cases (the agreed capacity must cover that)."""
+    tokens = 3 + 4 * rank if case.uneven else 8 if case.drop_tokens else 5 + rank
     g = torch.Generator().manual_seed(10 + rank)
     x = torch.randn(tokens, HIDDEN, generator=g)
     if case.all_to_expert_zero:

@@ -67,3 +67,24 @@ def test_stage_2_copies_out_frees_the_local_buffer_and_accumulates_the_shard(mon
     grads.drop()
     assert flat.master.grad is None and grads.host_landed == 0
     assert grads.reduced is reduced and not reduced.any()
+
+
+def test_released_after_the_step_on_an_accelerator(monkeypatch) -> None:
+    """`release_after_step` (the default off the CPU): the step's `clear_reduced` frees every
+    reduced buffer, the local one included when the reduction ran in place, and the next
+    accumulation starts from a new buffer holding only the new gradients."""
+    flat, _, _ = build(monkeypatch, SHAPES, world_size=2, rank=1, stage=1, role=FP32_ROLE)
+    grads = flat.grads
+    assert grads.release_after_step is False  # the CPU keeps and reuses its buffer
+    grads.release_after_step = True
+    for index, g in enumerate(_grads(1)):
+        grads.accumulate(index, g)
+    local, in_place = grads.begin_reduction()
+    assert in_place
+    grads.clear_reduced()
+    assert grads.reduced is None and grads.reduced_full is None and grads.local is None
+    second = _grads(2)
+    grads.accumulate(0, second[0])
+    expected = torch.zeros(flat.padded_numel)
+    expected[: flat.numels[0]] = second[0].reshape(-1)
+    assert torch.equal(grads.settled_local(), expected)

@@ -7,6 +7,11 @@ to-fp32` and `save_16bit_model` give a state dict the unswapped model strict-loa
     <layer>.experts.w2 [E, H, ffn]           -> <layer>.experts.down_proj
     shared experts                           keep their names
 
+or, for experts held as one module per expert (remote-code DeepSeek-V3 / Moonlight,
+transformers 4's Mixtral: the layout the swap detected),
+
+    <layer>.experts.w1 / w3 / w2 [E, ...]    -> <layer>.experts.<j>.gate_proj / up_proj / down_proj.weight
+
 The layout of each layer (its preset's names) is recorded in the checkpoint index ("autoep"),
 so a checkpoint converts without the model.
 """
@@ -31,6 +36,7 @@ def hf_layouts(module: nn.Module) -> dict[str, dict[str, Any]]:
         out[name] = {
             "router": preset.router_pattern, "experts": preset.experts_pattern, "w1": preset.expert_w1,
             "w2": preset.expert_w2, "w3": preset.expert_w3, "bias": preset.selection_bias,
+            "modules": preset.expert_modules, "weight_attr": preset.expert_weight_attr,
         }
     return out
 
@@ -52,6 +58,9 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], layouts: dict[str, dict[str
             out[f"{router}.weight"] = value
         elif rest == "router.e_score_correction_bias":
             out[f"{router}.{layout['bias'] or 'e_score_correction_bias'}"] = value
+        elif rest == "experts.w1" and layout.get("modules"):
+            w3, w2 = state[f"{prefix}.experts.w3"], state[f"{prefix}.experts.w2"]
+            out.update(_per_expert(experts, layout, value, w3, w2))
         elif rest == "experts.w1":
             w3 = state[f"{prefix}.experts.w3"]
             if layout["w3"] is None:
@@ -60,7 +69,19 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], layouts: dict[str, dict[str
                 out[f"{experts}.{layout['w1']}"] = value
                 out[f"{experts}.{layout['w3']}"] = w3
         elif rest == "experts.w2":
-            out[f"{experts}.{layout['w2']}"] = value
+            if not layout.get("modules"):  # else written with w1
+                out[f"{experts}.{layout['w2']}"] = value
         elif rest != "experts.w3":
             out[key] = value  # shared experts and their gate: unchanged names
+    return out
+
+
+def _per_expert(experts: str, layout: dict[str, Any], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
+    """The global stacks as one module per expert, in the module's order (gate, up, down);
+    each row copied, as safetensors refuses tensors that share storage."""
+    suffix = f".{layout['weight_attr']}" if layout.get("weight_attr") else ""
+    out = {}
+    for j in range(w1.shape[0]):
+        for name, stack in ((layout["w1"], w1), (layout["w3"], w3), (layout["w2"], w2)):
+            out[f"{experts}.{j}.{name}{suffix}"] = stack[j].clone()
     return out

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from zeroshard.comm.collectives import Group
 from zeroshard.moe.autoep.dispatch import combine, dispatch
+from zeroshard.moe.autoep.expert_paths import CombineImpl, ExpertPath, choose_path, run_experts, weighted_combine
 from zeroshard.moe.autoep.presets import RoutingSettings
 from zeroshard.sharding.layout import ParallelLayout, current_layout, expert_group_name
 
@@ -103,7 +104,17 @@ class AutoEPRouter(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """This rank's experts as stacked weights; expert j computes w2[j] (act(w1[j] x) * w3[j] x)."""
+    """This rank's experts as stacked weights; expert j computes w2[j] (act(w1[j] x) * w3[j] x).
+
+    Attributes:
+        use_grouped_mm: DeepSpeed's key: False runs the per-expert loop; True (default) a
+            grouped path (zeroshard/moe/autoep/expert_paths.py `choose_path`).
+        force_native_grouped_mm: DeepSpeed's ``disable_triton_grouped_mm``: torch._grouped_mm
+            wherever torch runs it for the device and dtype, not only where it is the fast one.
+        path: a fixed path ("loop", "bmm", "grouped_mm") for benchmarks and debugging;
+            None (default): chosen per forward.
+        last_path: the path the latest forward took.
+    """
 
     def __init__(self, w1: Tensor, w2: Tensor, w3: Tensor, act_fn: nn.Module | None, group_name: str) -> None:
         super().__init__()
@@ -114,6 +125,10 @@ class GroupedExperts(nn.Module):
         for p in (self.w1, self.w2, self.w3):
             p.allreduce = False  # DeepSpeed's expert-parameter markers (zeroshard/moe/utils.py)
             p.group_name = group_name
+        self.use_grouped_mm = True
+        self.force_native_grouped_mm = False
+        self.path: ExpertPath | None = None
+        self.last_path: ExpertPath | None = None
 
     @property
     def num_local_experts(self) -> int:
@@ -122,11 +137,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         """x [N, hidden], rows grouped by local expert (`counts` rows each). Every expert runs,
         an empty one on zero rows, so each slice of the weights gets a gradient (zeros)."""
-        outs = []
-        for j, chunk in enumerate(torch.split(x, counts)):
-            h = self.act_fn(F.linear(chunk, self.w1[j])) * F.linear(chunk, self.w3[j])
-            outs.append(F.linear(h, self.w2[j]))
-        return torch.cat(outs)
+        path = self.path or choose_path(x, counts, self.w1, self.use_grouped_mm, self.force_native_grouped_mm)
+        self.last_path = path
+        return run_experts(path, x, counts, self.w1, self.w2, self.w3, self.act_fn)
 
 
 class AutoEPMoELayer(nn.Module):
@@ -176,6 +189,13 @@ class AutoEPMoELayer(nn.Module):
         # Routes per global expert since the last optimizer step (auxiliary-loss-free balancing).
         self.tokens_per_expert: Tensor | None = None
         self.count_tokens = False
+        self.combine_impl: CombineImpl = "weighted_sum"
+
+    def set_expert_kernels(self, use_grouped_mm: bool, disable_triton_grouped_mm: bool, combine_impl: str) -> None:
+        """DeepSpeed's three kernel keys (expert_parallel section; docs/moe.md says what each does here)."""
+        self.experts.use_grouped_mm = use_grouped_mm
+        self.experts.force_native_grouped_mm = disable_triton_grouped_mm
+        self.combine_impl = "legacy_bmm" if combine_impl == "legacy_bmm" else "weighted_sum"
 
     def set_deepspeed_parallelism(self, layout: ParallelLayout | None = None) -> None:
         """Attach the expert-parallel group of `layout` (the engine's; else the process's one
@@ -206,8 +226,8 @@ class AutoEPMoELayer(nn.Module):
         per_route = combine(expert_out, plan, order, group, selected.numel())
         # Weighted sum over each token's k routes, in the weights' dtype (fp32 for Mixtral
         # and DeepSeek, the hidden dtype for Qwen), as the Hugging Face experts apply them.
-        per_route = per_route.view(*selected.shape, -1) * weights.unsqueeze(-1)
-        out = per_route.sum(dim=1).to(hidden_states.dtype)
+        out = weighted_combine(per_route.view(*selected.shape, -1), weights, self.combine_impl)
+        out = out.to(hidden_states.dtype)
         shared = self._shared(tokens)
         if shared is not None:
             out = out + shared

@@ -38,6 +38,12 @@ class MoEPreset:
     expert_w1: str = "gate_up_proj"
     expert_w2: str = "down_proj"
     expert_w3: str | None = None  # None: expert_w1 is gate and up fused, split in two
+    # The experts' layout, detected from the model at the swap (zeroshard/moe/autoep/swap.py):
+    # False, stacked [E, ...] tensors on the experts module; True, an nn.ModuleList of one
+    # module per expert (remote-code DeepSeek-V3 / Moonlight, transformers 4's Mixtral), whose
+    # weights are `<j>.<expert_w1>.<expert_weight_attr>` (None: bare parameters).
+    expert_modules: bool = False
+    expert_weight_attr: str | None = "weight"
     top_k_attr: str = "num_experts_per_tok"
     shared_experts_pattern: str | None = None
     shared_experts_gate_pattern: str | None = None

@@ -11,13 +11,14 @@ flats, so expert weights go to expert flats sharded over the expert-data-paralle
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from zeroshard.comm import collectives as comm
 from zeroshard.moe.autoep.layer import AutoEPMoELayer
-from zeroshard.moe.autoep.presets import RoutingSettings, resolve_routing
+from zeroshard.moe.autoep.presets import MoEPreset, RoutingSettings, resolve_routing
 from zeroshard.sharding.layout import check_ep_size, current_layout
 from zeroshard.zero.init import gather_partitioned
 
@@ -64,6 +65,7 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
             f"with children {preset.router_pattern!r} (router) and {preset.experts_pattern!r} (experts). Set "
             "preset_model, or moe_layer_pattern / router_pattern / expert_pattern to the model's names."
         )
+    settings = replace(settings, preset=detect_expert_layout(targets, settings, cfg))
     ep_rank = current_layout().expert_parallel_rank(cfg.autoep_size)
     recorder = _router_logits_recorder(model)
     for name, module in targets:
@@ -73,12 +75,113 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
         gather_partitioned(list(module.parameters()))
         layer = AutoEPMoELayer(module, settings, cfg.autoep_size, ep_rank)
         layer.count_tokens = cfg.load_balance_coeff is not None
+        layer.set_expert_kernels(cfg.use_grouped_mm, cfg.disable_triton_grouped_mm, cfg.combine_impl)
+        if settings.preset.expert_modules:
+            # One module per expert: the activation is each expert's (GroupedExperts reads
+            # it from a stacked experts module only).
+            act_fn = getattr(getattr(module, settings.preset.experts_pattern)[0], "act_fn", None)
+            if act_fn is not None:
+                layer.experts.act_fn = act_fn
         if recorder is not None:
             recorder(layer.router.gate, "router_logits", 0)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer)
     return settings, [name for name, _ in targets]
+
+
+# Expert weight names (w1 = gate, w2 = down, w3 = up; w3 None: w1 holds gate and up fused),
+# tried in order when the preset's names do not fit the model.
+STACKED_LAYOUTS = (("gate_up_proj", "down_proj", None), ("gate_proj", "down_proj", "up_proj"), ("w1", "w2", "w3"))
+MODULE_LAYOUTS = (("gate_proj", "down_proj", "up_proj"), ("w1", "w2", "w3"))
+_KEYS = ("expert_w1", "expert_w2", "expert_w3")
+
+
+def detect_expert_layout(targets: list[tuple[str, nn.Module]], settings: RoutingSettings, cfg: Any) -> MoEPreset:
+    """The preset with the experts' layout the model has: stacked tensors on the experts module
+    (transformers 5) or an nn.ModuleList of one MLP per expert (remote code, transformers 4),
+    and their weight names. Names the user wrote (expert_w1/w2/w3) are kept and checked; the
+    preset's are kept when they fit, else the first known layout that fits every block.
+
+    Raises:
+        ValueError: the experts fit no known layout, or not the names written, or a block's
+            layout differs from the first's (each message names the block and the keys).
+    """
+    preset = settings.preset
+    written = {key: getattr(cfg, key, None) for key in _KEYS}
+    found: MoEPreset | None = None
+    for name, block in targets:
+        layout = _block_layout(name, block, preset, written, settings.num_experts)
+        if found is not None and layout != found:
+            raise ValueError(
+                f"expert_parallel: MoE block {name!r} lays its experts out differently from the first block "
+                f"({_describe_layout(layout)} against {_describe_layout(found)}). Narrow moe_layer_pattern to "
+                "blocks of one layout."
+            )
+        found = layout
+    assert found is not None
+    return found
+
+
+def _block_layout(name: str, block: nn.Module, preset: MoEPreset, written: dict, num_experts: int) -> MoEPreset:
+    experts = getattr(block, preset.experts_pattern)
+    modules = isinstance(experts, nn.ModuleList)
+    where = f"{name}.{preset.experts_pattern}"
+    if modules:
+        if len(experts) != num_experts:
+            raise ValueError(
+                f"expert_parallel.num_experts_attr={preset.num_experts_attr!r}: the model config says {num_experts} "
+                f"experts, but {where} holds {len(experts)} modules. Set num_experts_attr to the config attribute "
+                "holding the number of routed experts."
+            )
+        holder, candidates = experts[0], MODULE_LAYOUTS
+        where = f"{where}.0"
+    else:
+        holder, candidates = experts, STACKED_LAYOUTS
+    own = (preset.expert_w1, preset.expert_w2, preset.expert_w3)
+    for names in (own, *candidates):
+        if names[2] is None and modules:
+            continue  # one module per expert with gate and up fused: no model has it
+        if any(w is not None and w != n for w, n in zip(written.values(), names, strict=True)):
+            continue  # the user's names win
+        if all(n is None or hasattr(holder, n) for n in names):
+            layout = replace(preset, expert_w1=names[0], expert_w2=names[1], expert_w3=names[2],
+                             expert_modules=modules)
+            return _with_weight_attr(layout, holder, where) if modules else layout
+    has = ", ".join(n for n, _ in holder.named_children()) or ", ".join(n for n, _ in holder.named_parameters())
+    wrote = ", ".join(f"{k}={v!r}" for k, v in written.items() if v is not None)
+    kind = "one module per expert" if modules else "stacked expert tensors"
+    raise ValueError(
+        f"expert_parallel.{'expert_w1/expert_w2/expert_w3' if not wrote else wrote}: {where} ({type(holder).__name__}, "
+        f"{kind}) has no weights named {_names(own)} nor any known layout ({', '.join(map(_names, candidates))}); "
+        f"it has {has or 'nothing'}. Set expert_w1 (gate), expert_w2 (down) and expert_w3 (up; null when expert_w1 "
+        "holds gate and up fused) to its names."
+    )
+
+
+def _with_weight_attr(layout: MoEPreset, expert: nn.Module, where: str) -> MoEPreset:
+    """Per-expert weights are Linear modules (`.weight`, refused with a bias: the swapped
+    experts have none) or bare parameters."""
+    parts = [getattr(expert, n) for n in (layout.expert_w1, layout.expert_w2, layout.expert_w3)]
+    if all(isinstance(p, nn.Module) for p in parts):
+        biased = [n for n, p in zip((layout.expert_w1, layout.expert_w2, layout.expert_w3), parts, strict=True)
+                  if getattr(p, "bias", None) is not None]
+        if biased:
+            raise ValueError(
+                f"expert_parallel: {where}.{biased[0]} has a bias; AutoEP's experts have none. Leave expert_parallel "
+                "off for this model."
+            )
+        return replace(layout, expert_weight_attr="weight")
+    return replace(layout, expert_weight_attr=None)
+
+
+def _names(names: tuple[str | None, ...]) -> str:
+    return "/".join(n for n in names if n is not None)
+
+
+def _describe_layout(layout: MoEPreset) -> str:
+    kind = "one module per expert" if layout.expert_modules else "stacked"
+    return f"{kind} {_names((layout.expert_w1, layout.expert_w2, layout.expert_w3))}"
 
 
 def _router_logits_recorder(model: nn.Module):
