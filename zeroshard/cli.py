@@ -1,5 +1,5 @@
 """The `zeroshard` command: explain (zeroshard.tools.explain), demo, to-fp32 (zeroshard.checkpoint),
-launch (zeroshard.launch.torchrun).
+report (zeroshard.tools.report), launch (zeroshard.launch.torchrun).
 
 `zeroshard explain CONFIG` prints what a config resolves to: the precision of every tensor role
 per parameter group, the defaults it applied, the keys accepted with no effect, and the per-rank
@@ -88,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     to_fp32.add_argument("output", metavar="OUT", help="output file (.safetensors; another suffix: torch.save)")
     to_fp32.add_argument("--tag", help="which checkpoint (default: the one 'latest' names)")
     to_fp32.set_defaults(handler=_run_to_fp32)
+    report = sub.add_parser(
+        "report",
+        help="draw PNG plots of a run from its CSV monitor files",
+        description="Plot loss and learning rate, the step-time breakdown and the expert load "
+        "of a run from the CSV files under RUN_DIR (a csv_monitor's output). Exits 1 when there is "
+        "nothing to plot.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="directory holding the run's CSV files")
+    report.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: RUN_DIR)")
+    report.set_defaults(handler=_run_report)
     sub.add_parser(
         "launch",
         help="run a training script with torchrun (see `zeroshard launch --help`)",
@@ -105,6 +115,19 @@ def _run_to_fp32(args: argparse.Namespace) -> int:
         print(f"zeroshard to-fp32: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {path}")
+    return EXIT_OK
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from zeroshard.tools.report import ReportError, write_report
+
+    try:
+        paths = write_report(args.run_dir, args.out)
+    except ReportError as exc:
+        print(f"zeroshard report: {exc}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(f"wrote {path}")
     return EXIT_OK
 
 

@@ -15,6 +15,7 @@ belonged to (zeroshard/comm/faults.py's note), on the blocking call or on the ha
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -209,10 +210,20 @@ class CollectiveRecord:
 
 
 class CollectiveLog:
-    """What `recording()` yields: `records` grows while the block runs."""
+    """What `recording()` yields: `records` grows while the block runs.
+
+    A log whose `timed` is true is also told each collective's duration (`add_duration`):
+    zeroshard/monitor/comms.py's `comms_logger`.
+    """
+
+    timed = False
 
     def __init__(self) -> None:
         self.records: list[CollectiveRecord] = []
+
+    def add_duration(self, record: CollectiveRecord, start: object, end: object) -> None:
+        """`record` ran from `start` to `end`: `time.perf_counter()` values, or on CUDA two
+        events on the issuing stream (read later, so timing adds no host synchronisation)."""
 
     def total_bytes(self, op: str | None = None, tag: str | None = None) -> int:
         return sum(
@@ -242,12 +253,49 @@ def recording() -> Iterator[CollectiveLog]:
         _active_logs.remove(log)
 
 
-def _record(op: str, tensor: torch.Tensor, numel: int, tag: str, group: Group, via: str = "") -> None:
+def _mark(device: torch.device) -> object:
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _record(
+    op: str, tensor: torch.Tensor, numel: int, tag: str, group: Group, via: str = ""
+) -> Callable[[], None] | None:
+    """Record the collective about to be issued; returns what to call once it completed
+    (None when no log times collectives)."""
     if not _active_logs:
-        return
+        return None
     rec = CollectiveRecord(op, tensor.dtype, numel, numel * tensor.element_size(), tag, via, group.ranks)
     for log in _active_logs:
         log.records.append(rec)
+    timed = [log for log in _active_logs if log.timed]
+    if not timed:
+        return None
+    device = tensor.device
+    start = _mark(device)
+
+    def done() -> None:
+        end = _mark(device)
+        for log in timed:
+            log.add_duration(rec, start, end)
+
+    return done
+
+
+def _then_done(work, done: Callable[[], None] | None, async_op: bool):
+    """Run `done` when the collective completed: now for a blocking one, at the handle's
+    `wait()` for an asynchronous one."""
+    if done is None:
+        return work
+    if not async_op:
+        done()
+    elif isinstance(work, _Pending):
+        then = work._then
+        work._then = done if then is None else (lambda: (then(), done()))
+    return work
 
 
 def world_size() -> int:
@@ -273,9 +321,10 @@ def all_reduce(
     """
     if _check(group).size == 1:
         return None if async_op else tensor
-    _record("all_reduce", tensor, tensor.numel(), tag, group)
+    done = _record("all_reduce", tensor, tensor.numel(), tag, group)
     what = _describe("all_reduce", tag, group)
     work = _call(what, dist.all_reduce, tensor, op=op, group=group.handle, async_op=async_op)
+    work = _then_done(work, done, async_op)
     return work if async_op else tensor
 
 
@@ -302,7 +351,7 @@ def reduce_scatter(
         return None if async_op else output
     assert input.numel() == output.numel() * ws, "reduce_scatter sizes disagree"
     if _reduce_scatter_runs_as_all_reduce(group):
-        _record("reduce_scatter", input, input.numel(), tag, group, via="all_reduce")
+        done = _record("reduce_scatter", input, input.numel(), tag, group, via="all_reduce")
         flat_input = input.view(-1)
         mine = flat_input.view(ws, -1)[group.rank]
         what = _describe("reduce_scatter", tag, group)
@@ -310,13 +359,15 @@ def reduce_scatter(
         handle = _call(
             what, dist.all_reduce, flat_input, group=group.handle, async_op=True, then=lambda: output.copy_(mine)
         )
+        handle = _then_done(handle, done, True)
         if async_op:
             return handle
         handle.wait()
         return output
-    _record("reduce_scatter", input, input.numel(), tag, group)
+    done = _record("reduce_scatter", input, input.numel(), tag, group)
     what = _describe("reduce_scatter", tag, group)
     work = _call(what, _compat.reduce_scatter_single, output, input.view(-1), group=group.handle, async_op=async_op)
+    work = _then_done(work, done, async_op)
     return work if async_op else output
 
 
@@ -333,10 +384,11 @@ def all_gather(
         output.view(-1).copy_(input.view(-1))
         return None if async_op else output
     assert output.numel() == input.numel() * ws, "all_gather sizes disagree"
-    _record("all_gather", input, output.numel(), tag, group)
+    done = _record("all_gather", input, output.numel(), tag, group)
     what = _describe("all_gather", tag, group)
     work = _call(what, _compat.all_gather_single, output.view(-1), input.view(-1), group=group.handle,
                  async_op=async_op)
+    work = _then_done(work, done, async_op)
     return work if async_op else output
 
 
@@ -344,8 +396,9 @@ def broadcast(tensor: torch.Tensor, *, group: Group, src: int, tag: str = "") ->
     """`tensor` from global rank `src` (a member of `group`) to every member, in place."""
     if _check(group).size == 1:
         return tensor
-    _record("broadcast", tensor, tensor.numel(), tag, group)
+    done = _record("broadcast", tensor, tensor.numel(), tag, group)
     _call(_describe("broadcast", tag, group), dist.broadcast, tensor, src=src, group=group.handle)
+    _then_done(None, done, False)
     return tensor
 
 
@@ -379,11 +432,12 @@ def all_to_all_single(
     if _check(group).size == 1:
         output.copy_(input)
         return None if async_op else output
-    _record("all_to_all", input, input.numel(), tag, group)
+    done = _record("all_to_all", input, input.numel(), tag, group)
     work = _call(
         _describe("all_to_all", tag, group), dist.all_to_all_single, output, input.contiguous(),
         output_split_sizes, input_split_sizes, group=group.handle, async_op=async_op,
     )
+    work = _then_done(work, done, async_op)
     return work if async_op else output
 
 

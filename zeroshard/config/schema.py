@@ -102,6 +102,9 @@ class ZeroshardExtras(_Section):
             fp16 always checks (its loss scale needs it).
         collective_timeout_s: seconds a collective may wait for its peers before every
             waiting rank raises CollectiveError naming it (the process groups' timeout).
+        peak_tflops: this device's peak TFLOP/s, the flops_profiler's MFU denominator
+            (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
+            of the profile (zeroshard/monitor/flops.py).
     """
 
     unit_module_classes: list[str] | None = None
@@ -109,6 +112,7 @@ class ZeroshardExtras(_Section):
     shard_group_size: JsonInt | None = Field(None, ge=1)
     skip_nonfinite_steps: bool = True
     collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
+    peak_tflops: float | None = Field(None, gt=0)
 
 
 class ZeroshardConfig(_Section):
@@ -143,19 +147,20 @@ class ZeroshardConfig(_Section):
     zeroshard: ZeroshardExtras = Field(default_factory=ZeroshardExtras)
     # AutoEP: swap a Hugging Face model's MoE blocks for expert-parallel layers (docs/moe.md).
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
-    # Accepted, no effect: logging, monitoring and permission knobs.
+    # zeroshard/monitor/: the step-time breakdown, FLOPs/MFU and the collective summary.
     wall_clock_breakdown: bool = False
+    flops_profiler: dict[str, Any] | None = None
+    comms_logger: dict[str, Any] | None = None
+    # Accepted, no effect: logging, monitoring and permission knobs.
     memory_breakdown: bool = False
     dump_state: bool = False
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     vocabulary_size: JsonInt | None = None
-    flops_profiler: dict[str, Any] | None = None
     tensorboard: dict[str, Any] | None = None
     wandb: dict[str, Any] | None = None
     csv_monitor: dict[str, Any] | None = None
     comet: dict[str, Any] | None = None
-    comms_logger: dict[str, Any] | None = None
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: dict[str, Any] | None = None
     timers: dict[str, Any] | None = None
@@ -170,9 +175,9 @@ class ZeroshardConfig(_Section):
 
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
         {
-            "wall_clock_breakdown", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
-            "zero_force_ds_cpu_optimizer", "vocabulary_size", "flops_profiler", "tensorboard", "wandb",
-            "csv_monitor", "comet", "comms_logger", "aio", "timers",
+            "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer", "vocabulary_size", "tensorboard", "wandb",
+            "csv_monitor", "comet", "aio", "timers",
             "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "log_level",
         }
     )

@@ -156,6 +156,7 @@ class EngineAPI:
             self._grads.params.remove()
         for unit in self.units:
             unit.free()
+        self.figures.close()  # its router hooks and collective logs (zeroshard/monitor/figures.py)
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self) -> Iterator[None]:

@@ -25,6 +25,7 @@ from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
+from zeroshard.monitor.figures import RunFigures
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
 from zeroshard.sharding.layout import ParallelLayout, establish
@@ -117,6 +118,9 @@ class Engine(EngineAPI):
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
         )
+        # ---- monitoring (zeroshard/monitor/): timers, FLOPs, collectives, MoE figures.
+        self.figures = RunFigures(self.module, config, self.device, self.global_rank, self.optimizer)
+        self.timers = self.figures.timers
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
@@ -128,6 +132,13 @@ class Engine(EngineAPI):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module under the precision policy (autocast, input casts)."""
+        with self.timers.span("fwd"):
+            self.figures.before_forward(self.global_steps)
+            output = self._forward(*args, **kwargs)
+            self.figures.after_forward()
+            return output
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         faults.where.step = self.global_steps
         param_dtype = next(iter(self.precision_plan.groups.values())).param_dtype
         if self.precision_plan.mode in ("bf16", "fp16"):
@@ -153,6 +164,10 @@ class Engine(EngineAPI):
         reduction); `scale_wrt_gas=False` leaves this one's undivided, as DeepSpeed's argument
         does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
         """
+        with self.timers.span("bwd"):
+            return self._backward(loss, retain_graph, scale_wrt_gas, **kwargs)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool, **kwargs: Any) -> torch.Tensor:
         steps = self.config.gradient_accumulation_steps
         faults.where.step = self.global_steps
         before = self.accumulation.backward_count
@@ -189,6 +204,13 @@ class Engine(EngineAPI):
         call gives. Every rank counts the same backwards (a rank whose loss missed the model
         still runs the backward epilogue in `engine.backward`), so they agree on it.
         """
+        steps_before = self.global_steps
+        with self.timers.span("step"):
+            self._step_once()
+        if self.global_steps != steps_before:
+            self.figures.after_step(self)
+
+    def _step_once(self) -> None:
         state = self.accumulation
         if not state.begin_step():
             return

@@ -62,6 +62,7 @@ import torch
 
 from zeroshard.comm import collectives as comm
 from zeroshard.comm import faults
+from zeroshard.monitor.timers import timed
 from zeroshard.sharding.flat import FlatParamGroup
 from zeroshard.sharding.layout import ShardingSpec
 from zeroshard.sharding.streams import COMPUTE, NULL_STREAMS, REDUCE, StreamSet
@@ -266,9 +267,10 @@ class GradientReducer:
 
     def finish(self) -> None:
         """Reduce every open bucket, wait for every collective, write every result."""
-        for key in list(self._open):
-            self._issue(key)
-        self._complete_issued()
+        with timed("bwd_allreduce"):  # wall_clock_breakdown (zeroshard/monitor/timers.py)
+            for key in list(self._open):
+                self._issue(key)
+            self._complete_issued()
         self._added_cols.clear()
 
     def _complete_issued(self) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from zeroshard.comm import collectives as comm
 from zeroshard.comm.collectives import Group
+from zeroshard.monitor.timers import timed
 
 MAX_IN_FLIGHT = 2
 
@@ -123,8 +124,9 @@ class Gathering:
 
     def wait(self) -> None:
         in_flight, self._in_flight = self._in_flight, []
-        for bucket in in_flight:
-            self._complete(bucket)
+        with timed("gather"):  # wall_clock_breakdown (zeroshard/monitor/timers.py)
+            for bucket in in_flight:
+                self._complete(bucket)
 
 
 def all_gather_shards(

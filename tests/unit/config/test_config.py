@@ -238,7 +238,7 @@ def test_not_supported_optimizer_and_scheduler(raw, pattern):
 
 def test_inert_values_of_unsupported_keys_and_no_effect_knobs_are_accepted_and_listed():
     raw = {
-        "wall_clock_breakdown": False,
+        "memory_breakdown": False,
         "prescale_gradients": False,
         "fp16": {"enabled": False, "auto_cast": False},
         "zero_optimization": {
@@ -254,7 +254,7 @@ def test_inert_values_of_unsupported_keys_and_no_effect_knobs_are_accepted_and_l
         cfg = resolve_config(raw)
     assert sorted(cfg.no_effect_keys) == sorted(
         [
-            "wall_clock_breakdown",
+            "memory_breakdown",
             "prescale_gradients",
             "fp16.auto_cast",
             "zero_optimization.offload_optimizer.buffer_count",

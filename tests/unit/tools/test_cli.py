@@ -85,13 +85,13 @@ def test_without_a_model_memory_is_per_parameter(capsys, tmp_path):
 
 
 def test_defaults_and_no_effect_keys_are_listed(capsys, tmp_path):
-    path = write(tmp_path, {"zero_optimization": {"stage": 1, "overlap_comm": True}, "wall_clock_breakdown": True})
+    path = write(tmp_path, {"zero_optimization": {"stage": 1, "overlap_comm": True}, "memory_breakdown": True})
     data = run_json(capsys, path)
     assert "gradient_clipping" in data["defaults_applied"]
-    assert data["no_effect_keys"] == ["zero_optimization.overlap_comm", "wall_clock_breakdown"]
+    assert data["no_effect_keys"] == ["zero_optimization.overlap_comm", "memory_breakdown"]
     assert main(["explain", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "accepted, no effect: zero_optimization.overlap_comm, wall_clock_breakdown" in out
+    assert "accepted, no effect: zero_optimization.overlap_comm, memory_breakdown" in out
     assert "defaults applied:" in out and "Precision plan" in out
 
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.monitor.timers import timed
 from zeroshard.optim.muon.groups import (
     MuonChoice,
     classify_named_parameter,
@@ -205,8 +206,9 @@ class Muon(torch.optim.Optimizer):
                 by_shape.setdefault((rows, cols), []).append((p, u.reshape(-1, rows, cols)))
             for (rows, cols), pairs in by_shape.items():
                 batch = torch.cat([u for _, u in pairs])
-                result = orthogonalize(batch, group["ns_steps"], group["ns_method"],
-                                       compute_dtype_of(group, batch))
+                with timed("newton_schulz"):  # a Muon figure (zeroshard/monitor/timers.py)
+                    result = orthogonalize(batch, group["ns_steps"], group["ns_method"],
+                                           compute_dtype_of(group, batch))
                 start = 0
                 for p, u in pairs:
                     o = result[start : start + u.shape[0]].to(u.dtype)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zeroshard.monitor.timers import timed
 from zeroshard.optim.muon.groups import matrix_layout
 from zeroshard.optim.muon.maths import (
     adamw_group_step,
@@ -175,7 +176,8 @@ class ShardedMuon(torch.optim.Optimizer):
                 mine.setdefault((task.rows, task.cols), []).append(task)
         for (rows, cols), tasks in mine.items():
             batch = torch.stack([full_u.narrow(0, t.flat_offset, t.numel).view(rows, cols) for t in tasks])
-            result = orthogonalize(batch, group["ns_steps"], group["ns_method"], compute_dtype)
+            with timed("newton_schulz"):  # a Muon figure (zeroshard/monitor/timers.py)
+                result = orthogonalize(batch, group["ns_steps"], group["ns_method"], compute_dtype)
             for t, o in zip(tasks, result, strict=True):
                 packed.narrow(0, t.pack_offset, t.numel).copy_(o.reshape(-1))
         if flat.shard_size > 1:
