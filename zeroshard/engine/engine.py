@@ -25,6 +25,7 @@ from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
+from zeroshard.monitor import MonitorMaster, StepFigures
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
 from zeroshard.sharding.layout import ParallelLayout, establish
@@ -117,6 +118,9 @@ class Engine(EngineAPI):
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
         )
+        # ---- monitoring (zeroshard/monitor): DeepSpeed's engine.monitor, engine.metrics()
+        self.monitor = MonitorMaster(config, self.global_rank)
+        self.figures = StepFigures(self.monitor, fp16=plan.mode == "fp16")
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
@@ -161,7 +165,9 @@ class Engine(EngineAPI):
             # Nothing in the model took part (no hook fired): still run the epilogue, so this
             # rank issues the same collectives as ranks whose loss did reach the model.
             self._grads.run_epilogue()
-        return loss / steps if scale_wrt_gas else loss
+        returned = loss / steps if scale_wrt_gas else loss
+        self.figures.note_loss(returned)  # monitoring: the step's train_loss
+        return returned
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward calls inside keep their gradients local (no communication)."""
@@ -222,7 +228,13 @@ class Engine(EngineAPI):
             self._load_balancer.step(state.step_applied)
         self._log_step(result)
         per_backward = self.config.train_micro_batch_size_per_gpu * self.world_size
+        samples_before = state.global_samples
         state.boundary_step_done(state.samples_since_last_step(self.config.train_batch_size, per_backward))
+        # ---- monitoring (zeroshard/monitor): DeepSpeed's events, the figures of metrics()
+        self.figures.after_step(
+            self.global_steps, samples_before, state.global_samples, self.get_lr(), self.loss_scale,
+            self._global_grad_norm,
+        )
 
     def _log_nonfinite(self, result: StepResult) -> None:
         ranks = ", ".join(map(str, result.nonfinite_ranks)) or "none (finite gradients whose squares overflowed)"
@@ -277,6 +289,13 @@ class Engine(EngineAPI):
         return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     # -------------------------------------------------------------- accessors
+    def metrics(self) -> dict[str, Any]:
+        """The latest step's figures as plain numbers: loss (the mean of the step's
+        `engine.backward` losses on this rank), lr (first group), loss_scale, grad_norm (before
+        clipping), samples, step, and `name/key` for each producer given to
+        `engine.figures.register(name, fn)`. Reading it waits for the device (the step does not)."""
+        return self.figures.metrics()
+
     @property
     def optimizer(self) -> Any:
         return self._step.optimizer
