@@ -24,7 +24,8 @@ def test_csv_layout_is_deepspeeds(tmp_path):
     sink.write([("Train/Samples/train_loss", 0.5, 8)])
     sink.close()
     job = tmp_path / "job"
-    assert sorted(p.name for p in job.iterdir()) == ["Train_Samples_lr.csv", "Train_Samples_train_loss.csv", "my_value.csv"]
+    names = sorted(p.name for p in job.iterdir())
+    assert names == ["Train_Samples_lr.csv", "Train_Samples_train_loss.csv", "my_value.csv"]
     assert (job / "Train_Samples_train_loss.csv").read_bytes() == b"step,train_loss\r\n0,1.25\r\n8,0.5\r\n"
     assert (job / "my_value.csv").read_bytes() == b"step,my value\r\n8,3\r\n"
     assert csv_file_name("Train/Samples/elapsed_time_ms_forward") == "Train_Samples_elapsed_time_ms_forward.csv"
