@@ -59,7 +59,7 @@ def build(model_name: str, micro: int, monitors: dict | None, seed: int):
 
 
 class TimedFigures:
-    """Wraps an engine's StepFigures to time its two calls (the monitoring work of a step)."""
+    """Wraps an engine's TrainingFigures to time its two calls (the monitoring work of a step)."""
 
     def __init__(self, figures) -> None:
         self._figures = figures
@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
 
     engines = {"off": build(args.model, args.micro, None, 0), "on": build(args.model, args.micro, sections, 0)}
-    timed = TimedFigures(engines["on"].figures)
-    engines["on"].figures = timed
+    timed = TimedFigures(engines["on"].training_figures)
+    engines["on"].training_figures = timed
     for engine in engines.values():
         train_steps(engine, batches(args.warmup))
     timed.per_step_s.clear()

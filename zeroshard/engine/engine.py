@@ -25,7 +25,8 @@ from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
-from zeroshard.monitor import MonitorMaster, StepFigures
+from zeroshard.monitor.master import MonitorMaster
+from zeroshard.monitor.training_figures import TrainingFigures
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
 from zeroshard.sharding.layout import ParallelLayout, establish
@@ -120,7 +121,7 @@ class Engine(EngineAPI):
         )
         # ---- monitoring (zeroshard/monitor): DeepSpeed's engine.monitor, engine.metrics()
         self.monitor = MonitorMaster(config, self.global_rank)
-        self.figures = StepFigures(self.monitor, fp16=plan.mode == "fp16")
+        self.training_figures = TrainingFigures(self.monitor, fp16=plan.mode == "fp16")
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
@@ -166,7 +167,7 @@ class Engine(EngineAPI):
             # rank issues the same collectives as ranks whose loss did reach the model.
             self._grads.run_epilogue()
         returned = loss / steps if scale_wrt_gas else loss
-        self.figures.note_loss(returned)  # monitoring: the step's train_loss
+        self.training_figures.note_loss(returned)  # monitoring: the step's train_loss
         return returned
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -231,7 +232,7 @@ class Engine(EngineAPI):
         samples_before = state.global_samples
         state.boundary_step_done(state.samples_since_last_step(self.config.train_batch_size, per_backward))
         # ---- monitoring (zeroshard/monitor): DeepSpeed's events, the figures of metrics()
-        self.figures.after_step(
+        self.training_figures.after_step(
             self.global_steps, samples_before, state.global_samples, self.get_lr(), self.loss_scale,
             self._global_grad_norm,
         )
@@ -293,8 +294,8 @@ class Engine(EngineAPI):
         """The latest step's figures as plain numbers: loss (the mean of the step's
         `engine.backward` losses on this rank), lr (first group), loss_scale, grad_norm (before
         clipping), samples, step, and `name/key` for each producer given to
-        `engine.figures.register(name, fn)`. Reading it waits for the device (the step does not)."""
-        return self.figures.metrics()
+        `engine.training_figures.register(name, fn)`. Reading it waits for the device (the step does not)."""
+        return self.training_figures.metrics()
 
     @property
     def optimizer(self) -> Any:

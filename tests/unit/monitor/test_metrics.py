@@ -54,11 +54,13 @@ def test_metrics_match_a_float64_reference():
 
 def test_producers_add_their_figures():
     engine = make(nn.Linear(4, 3))
-    engine.figures.register("moe", lambda: {"dropped_tokens": 3, "aux_loss": torch.tensor(0.25)})
+    engine.training_figures.register("moe", lambda: {"dropped_tokens": 3, "aux_loss": torch.tensor(0.25)})
     figures = engine.metrics()
     assert figures["moe/dropped_tokens"] == 3 and figures["moe/aux_loss"] == 0.25
-    engine.figures.unregister("moe")
+    engine.training_figures.unregister("moe")
     assert "moe/dropped_tokens" not in engine.metrics()
+    engine.training_figures.register("", lambda: {"step_ms": 12.5})
+    assert engine.metrics()["step_ms"] == 12.5
 
 
 def test_plain_backward_has_no_loss_to_report():

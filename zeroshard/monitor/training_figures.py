@@ -1,7 +1,7 @@
 """What the engine knows after each optimizer step: DeepSpeed's monitor events and
 `engine.metrics()`.
 
-`StepFigures` is the engine's one contact with monitoring: `engine.backward` hands it the loss
+`TrainingFigures` is the engine's one contact with monitoring: `engine.backward` hands it the loss
 (`note_loss`), the boundary step calls `after_step`. Other producers (MoE layers, timers)
 register a function returning a dict of figures (`register`); `metrics()` merges theirs in
 when asked. Device scalars (the loss, the gradient norm) are kept as tensors and read only
@@ -22,7 +22,7 @@ from zeroshard.monitor.master import MonitorMaster
 Producer = Callable[[], Mapping[str, Any]]
 
 
-class StepFigures:
+class TrainingFigures:
     """The latest step's figures on this rank, and the events rank 0 sends to the monitors."""
 
     def __init__(self, monitor: MonitorMaster, fp16: bool) -> None:
@@ -57,8 +57,9 @@ class StepFigures:
             self.monitor.write_events(step_events(loss, samples_before, samples_after, first_lr, scale))
 
     def register(self, name: str, producer: Producer) -> None:
-        """Add `producer()`'s figures to `metrics()` as `name/<key>` (a second call with the
-        same name replaces the first)."""
+        """Add `producer()`'s figures to `metrics()` as `name/<key>`, or as `<key>` itself when
+        `name` is "" (a producer whose keys are already unique, e.g. the engine's timers). A
+        second call with the same name replaces the first."""
         self._producers[name] = producer
 
     def unregister(self, name: str) -> None:
@@ -69,5 +70,5 @@ class StepFigures:
         out = {key: (None if value is None else to_number(value)) for key, value in self._latest.items()}
         for name, producer in self._producers.items():
             for key, value in producer().items():
-                out[f"{name}/{key}"] = value if value is None else to_number(value)
+                out[f"{name}/{key}" if name else key] = value if value is None else to_number(value)
         return out
