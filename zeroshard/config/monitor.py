@@ -10,6 +10,7 @@ packages are looked up with ``importlib.util.find_spec``, not imported.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 from zeroshard.config.base import _Report, _Section
@@ -66,3 +67,21 @@ class WandbConfig(_Section):
     @classmethod
     def check_extra(cls, raw: dict[str, Any], path: str, report: _Report) -> None:
         _require_package(raw, path, report, "wandb", "wandb")
+
+
+def monitor_destinations(config: Any) -> list[str]:
+    """Where each enabled monitor writes, one line each (what `zeroshard explain` prints)."""
+    lines = []
+    if config.csv_monitor.enabled:
+        section = config.csv_monitor
+        lines.append(f"csv_monitor: {os.path.join(section.output_path, section.job_name)}/*.csv (rank 0)")
+    if config.tensorboard.enabled:
+        section = config.tensorboard
+        folder = os.path.join(section.output_path, section.job_name)
+        lines.append(f"tensorboard: {folder}/events.out.tfevents.* (rank 0)")
+    if config.wandb.enabled:
+        section = config.wandb
+        where = "/".join(x for x in (section.team, section.project) if x)
+        group = f", group {section.group}" if section.group else ""
+        lines.append(f"wandb: project {where}{group} (rank 0)")
+    return lines

@@ -51,3 +51,16 @@ def test_missing_package_names_the_extra(monkeypatch, section, extra):
     with pytest.raises(ConfigError, match=rf"{section}.enabled=true: .*pip install 'zeroshard\[{extra}\]'"):
         resolve_config({**BASE, section: {"enabled": True}})
     resolve_config({**BASE, section: {"enabled": False}})  # off: the package is not needed
+
+
+def test_explain_says_where_the_monitors_write(tmp_path):
+    from zeroshard.tools.explain import explain_text
+
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 1, "csv_monitor": {"enabled": true, "output_path": "runs"}, '
+                      '"wandb": {"enabled": true, "team": "me", "group": "g"}}')
+    text = " ".join(explain_text(str(config)).split())  # the console wraps long lines
+    assert ("monitors: csv_monitor: runs/DeepSpeedJobName/*.csv (rank 0); "
+            "wandb: project me/deepspeed, group g (rank 0)") in text
+    config.write_text('{"train_micro_batch_size_per_gpu": 1}')
+    assert "monitors: none" in explain_text(str(config))
