@@ -19,9 +19,8 @@ from zeroshard.config.base import _Report, _Section
 DEFAULT_JOB_NAME = "DeepSpeedJobName"
 
 COMET_REFUSAL = (
-    "Comet is not supported: it needs the comet_ml package and a Comet account, and zeroshard "
-    "cannot test it. Use csv_monitor, tensorboard or wandb (docs/monitoring.md), or log from "
-    "engine.metrics() yourself"
+    "Comet needs the comet_ml package and a Comet account, so zeroshard cannot test it. Use "
+    "csv_monitor, tensorboard or wandb (docs/monitoring.md), or log engine.metrics() yourself"
 )
 
 
