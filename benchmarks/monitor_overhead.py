@@ -7,7 +7,9 @@ against all off, on the demo GPT at steps_per_print 10.
 Two engines are built from the same initial weights, one with every monitor on, one with none,
 and trained in turn: each round runs `--steps` steps of one, then of the other, so load from
 other processes on a shared machine falls on both alike. Reported per engine: the median step
-time (forward + backward + step) over all timed steps, and the overhead on / off - 1. As that
+time (forward + backward + step) over all timed steps, the median main-thread CPU time of a
+step (what the training thread itself spent, whatever else the machine ran), and the overhead
+on / off - 1 of each. As that
 difference is within the noise of a shared CPU, the engine's own monitoring work is also timed
 alone: `note_loss` plus `after_step` (building the step's events and queueing them for the
 writer thread) per step, median over the steps of the "on" engine. A benchmark, not a test:
@@ -36,12 +38,14 @@ from zeroshard.demo.model import GPT, PRESETS  # noqa: E402
 from zeroshard.demo.train import default_config  # noqa: E402
 
 
-def monitor_sections(out_dir: str) -> dict:
+def monitor_sections(out_dir: str, wanted: list[str]) -> dict:
+    """The config sections of the `wanted` monitors (those whose package is installed)."""
     sections = {
-        "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "bench"},
-        "tensorboard": {"enabled": importlib.util.find_spec("tensorboard") is not None,
+        "csv_monitor": {"enabled": "csv_monitor" in wanted, "output_path": out_dir, "job_name": "bench"},
+        "tensorboard": {"enabled": "tensorboard" in wanted and importlib.util.find_spec("tensorboard") is not None,
                         "output_path": out_dir, "job_name": "bench"},
-        "wandb": {"enabled": importlib.util.find_spec("wandb") is not None, "project": "zeroshard-bench"},
+        "wandb": {"enabled": "wandb" in wanted and importlib.util.find_spec("wandb") is not None,
+                  "project": "zeroshard-bench"},
     }
     return sections
 
@@ -81,15 +85,18 @@ class TimedFigures:
         return getattr(self._figures, name)
 
 
-def train_steps(engine, batches) -> list[float]:
-    times = []
+def train_steps(engine, batches) -> tuple[list[float], list[float]]:
+    """Wall and main-thread CPU seconds per step. CPU time leaves out waiting for other
+    processes (the machine's other jobs, wandb's service) and for the writer thread's GIL."""
+    wall, cpu = [], []
     for x, y in batches:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         _, loss = engine(x, y)
         engine.backward(loss)
         engine.step()
-        times.append(time.perf_counter() - start)
-    return times
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
+    return wall, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=20, help="steps per engine per round")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--monitors", default="csv_monitor,tensorboard,wandb", help="which to turn on")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     out_dir = tempfile.mkdtemp(prefix="zeroshard-monitor-bench-")
     os.environ.setdefault("WANDB_DIR", out_dir)
-    sections = monitor_sections(out_dir)
+    sections = monitor_sections(out_dir, args.monitors.split(","))
     block = PRESETS[args.model].block_size
     gen = torch.Generator().manual_seed(0)
 
@@ -121,13 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         train_steps(engine, batches(args.warmup))
     timed.per_step_s.clear()
     step_times: dict[str, list[float]] = {"off": [], "on": []}
+    cpu_times: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(args.rounds):
         for name in ("off", "on"):  # the same batches for both, in turn
-            step_times[name] += train_steps(engines[name], batches(args.steps))
+            wall, cpu = train_steps(engines[name], batches(args.steps))
+            step_times[name] += wall
+            cpu_times[name] += cpu
     engines["on"].destroy()  # flush and close, outside the timed steps
     engines["off"].destroy()
 
     median_ms = {name: statistics.median(t) * 1e3 for name, t in step_times.items()}
+    cpu_ms = {name: statistics.median(t) * 1e3 for name, t in cpu_times.items()}
     hook_us = statistics.median(timed.per_step_s) * 1e6
     result = {
         "model": args.model, "micro_batch": args.micro, "steps_per_print": 10,
@@ -135,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "monitors_on": [k for k, v in sections.items() if v["enabled"]],
         "median_step_ms_off": median_ms["off"], "median_step_ms_on": median_ms["on"],
         "overhead_percent": (median_ms["on"] / median_ms["off"] - 1) * 100,
+        "median_step_cpu_ms_off": cpu_ms["off"], "median_step_cpu_ms_on": cpu_ms["on"],
+        "cpu_overhead_percent": (cpu_ms["on"] / cpu_ms["off"] - 1) * 100,
         "monitor_work_per_step_us": hook_us,
         "monitor_work_percent": hook_us / 1e3 / median_ms["off"] * 100,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
@@ -142,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"demo model {args.model!r}, micro-batch {args.micro}, steps_per_print 10, CPU, "
           f"{args.rounds} rounds x {args.steps} steps per engine; monitors on: {', '.join(result['monitors_on'])}")
-    print(f"{'':30} {'median step (ms)':>18}")
-    print(f"{'monitors off':30} {median_ms['off']:18.2f}")
-    print(f"{'monitors on':30} {median_ms['on']:18.2f}")
-    print(f"{'overhead (on / off - 1)':30} {result['overhead_percent']:17.2f}%")
+    print(f"{'':30} {'median step (ms)':>18} {'main-thread CPU (ms)':>22}")
+    print(f"{'monitors off':30} {median_ms['off']:18.2f} {cpu_ms['off']:22.2f}")
+    print(f"{'monitors on':30} {median_ms['on']:18.2f} {cpu_ms['on']:22.2f}")
+    print(f"{'overhead (on / off - 1)':30} {result['overhead_percent']:17.2f}% {result['cpu_overhead_percent']:21.2f}%")
     print(f"{'monitoring work per step':30} {hook_us:15.1f} us  ({result['monitor_work_percent']:.4f}% of a step)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
