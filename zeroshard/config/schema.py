@@ -41,6 +41,7 @@ from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
+from zeroshard.config.monitor import COMET_REFUSAL, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from zeroshard.config.sections import (
     DEFAULT_LOWER_PRECISION_SAFE_MODULES,
     BF16Config,
@@ -157,10 +158,10 @@ class ZeroshardConfig(_Section):
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     vocabulary_size: JsonInt | None = None
-    tensorboard: dict[str, Any] | None = None
-    wandb: dict[str, Any] | None = None
-    csv_monitor: dict[str, Any] | None = None
-    comet: dict[str, Any] | None = None
+    # Monitors (zeroshard/config/monitor.py; the writers are zeroshard/monitor/).
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: dict[str, Any] | None = None
     timers: dict[str, Any] | None = None
@@ -176,14 +177,14 @@ class ZeroshardConfig(_Section):
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
         {
             "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
-            "zero_force_ds_cpu_optimizer", "vocabulary_size", "tensorboard", "wandb",
-            "csv_monitor", "comet", "aio", "timers",
+            "zero_force_ds_cpu_optimizer", "vocabulary_size", "aio", "timers",
             "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "log_level",
         }
     )
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
         {"optimizer", "scheduler", "seed", "train_batch_size", "train_micro_batch_size_per_gpu",
-         "gradient_accumulation_steps", "sequence_parallel_size", "data_parallel_size"}
+         "gradient_accumulation_steps", "sequence_parallel_size", "data_parallel_size",
+         "tensorboard", "wandb", "csv_monitor"}
     )
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
         "amp": _Unsupported(_disabled_section, "Use 'bf16', 'fp16' or 'torch_autocast'."),
@@ -217,6 +218,7 @@ class ZeroshardConfig(_Section):
         "disable_allgather": _Unsupported(_equals(False), "Remove it."),
         "graph_harvesting": _Unsupported(_equals(False), "Remove it."),
         "zero_optimization_stage": _Unsupported(lambda v: False, "Use zero_optimization.stage."),
+        "comet": _Unsupported(_disabled_section, COMET_REFUSAL + "."),
         "datastates_ckpt": _Unsupported(_disabled_section, "Remove it (checkpoints are written by zeroshard)."),
     }
 

@@ -150,7 +150,9 @@ class EngineAPI:
     def destroy(self) -> None:
         """Remove the engine's hooks from the module (DeepSpeed's cleanup). The engine cannot
         train afterwards; the module's parameters stay where the stage keeps them (at stage 3,
-        shards: gather them first with `GatheredParameters` if the module is to be used alone)."""
+        shards: gather them first with `GatheredParameters` if the module is to be used alone).
+        The monitors' files are flushed and closed."""
+        self.monitor.close()
         self._grads.remove()
         if self._grads.params is not None:  # stage 3's gather and free hooks
             self._grads.params.remove()

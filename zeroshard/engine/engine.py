@@ -26,6 +26,8 @@ from zeroshard.engine.api import EngineAPI
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.monitor.figures import RunFigures
+from zeroshard.monitor.master import MonitorMaster
+from zeroshard.monitor.training_figures import TrainingFigures
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
 from zeroshard.sharding.layout import ParallelLayout, establish
@@ -118,9 +120,13 @@ class Engine(EngineAPI):
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
         )
-        # ---- monitoring (zeroshard/monitor/): timers, FLOPs, collectives, MoE figures.
+        # ---- monitoring (zeroshard/monitor/): timers, FLOPs, collectives, MoE figures; DeepSpeed's
+        # engine.monitor (csv, tensorboard, wandb) and engine.metrics(), which joins both.
         self.figures = RunFigures(self.module, config, self.device, self.global_rank, self.optimizer)
         self.timers = self.figures.timers
+        self.monitor = MonitorMaster(config, self.global_rank)
+        self.training_figures = TrainingFigures(self.monitor, fp16=plan.mode == "fp16")
+        self.training_figures.register("", self.figures.summary)
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
@@ -176,7 +182,9 @@ class Engine(EngineAPI):
             # Nothing in the model took part (no hook fired): still run the epilogue, so this
             # rank issues the same collectives as ranks whose loss did reach the model.
             self._grads.run_epilogue()
-        return loss / steps if scale_wrt_gas else loss
+        returned = loss / steps if scale_wrt_gas else loss
+        self.training_figures.note_loss(returned)  # monitoring: the step's train_loss
+        return returned
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward calls inside keep their gradients local (no communication)."""
@@ -209,6 +217,10 @@ class Engine(EngineAPI):
             self._step_once()
         if self.global_steps != steps_before:
             self.figures.after_step(self)
+            if self.monitor.enabled and self.global_steps % self.config.steps_per_print == 0:
+                # The interval's timers, FLOPs, collectives and MoE figures go to the monitors
+                # with DeepSpeed's names (Train/Samples/elapsed_time_ms_*, ...).
+                self.monitor.write_events(self.figures.monitor_events(self.global_samples))
 
     def _step_once(self) -> None:
         state = self.accumulation
@@ -244,7 +256,13 @@ class Engine(EngineAPI):
             self._load_balancer.step(state.step_applied)
         self._log_step(result)
         per_backward = self.config.train_micro_batch_size_per_gpu * self.world_size
+        samples_before = state.global_samples
         state.boundary_step_done(state.samples_since_last_step(self.config.train_batch_size, per_backward))
+        # ---- monitoring (zeroshard/monitor): DeepSpeed's events, the figures of metrics()
+        self.training_figures.after_step(
+            self.global_steps, samples_before, state.global_samples, self.get_lr(), self.loss_scale,
+            self._global_grad_norm,
+        )
 
     def _log_nonfinite(self, result: StepResult) -> None:
         ranks = ", ".join(map(str, result.nonfinite_ranks)) or "none (finite gradients whose squares overflowed)"
@@ -299,6 +317,13 @@ class Engine(EngineAPI):
         return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     # -------------------------------------------------------------- accessors
+    def metrics(self) -> dict[str, Any]:
+        """The latest step's figures as plain numbers: loss (the mean of the step's
+        `engine.backward` losses on this rank), lr (first group), loss_scale, grad_norm (before
+        clipping), samples, step, and `name/key` for each producer given to
+        `engine.training_figures.register(name, fn)`. Reading it waits for the device (the step does not)."""
+        return self.training_figures.metrics()
+
     @property
     def optimizer(self) -> Any:
         return self._step.optimizer

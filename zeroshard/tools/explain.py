@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from zeroshard.config.monitor import monitor_destinations
 from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
@@ -158,6 +159,7 @@ def explain_data(
         "precision": plan.as_dict(),
         "defaults_applied": list(config.defaults_applied),
         "no_effect_keys": list(config.no_effect_keys),
+        "monitors": monitor_destinations(config),
         "parallel": _parallel_layout(config.sequence_parallel_size, world_size),
         "model": None,
         "moe": None,
@@ -395,6 +397,7 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
 
     console.print("\ndefaults applied: " + (", ".join(data["defaults_applied"]) or "none"))
     console.print("accepted, no effect: " + (", ".join(data["no_effect_keys"]) or "none"))
+    console.print("monitors: " + ("; ".join(data.get("monitors", [])) or "none"))
 
 
 def explain_text(config: Any, world_size: int = 1, model: str | None = None, params: int | None = None) -> str:
