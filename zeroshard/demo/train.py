@@ -20,9 +20,11 @@ import torch.distributed as dist
 
 import zeroshard
 from zeroshard.comm import collectives as comm
+from zeroshard.config.file import read_config_file
 from zeroshard.config.resolve import resolve_config
 from zeroshard.demo.data import DEFAULT_MAX_BYTES, ByteWindows, build_datasets, stdlib_root
 from zeroshard.demo.model import PRESETS, build_gpt
+from zeroshard.demo.monitoring import LOGGED_LOSS_EVENT, csv_folder, with_monitoring, write_report_pngs
 from zeroshard.demo.plot import read_metrics, write_loss_plot
 from zeroshard.demo.progress import ProgressReporter
 from zeroshard.sharding.layout import current_layout
@@ -184,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = build_gpt(args.model, **moe_overrides(args))
     train_data, val_data = build_datasets(model.config.block_size, args.corpus_bytes)
-    config = args.config or default_config(args.steps, torch.cuda.is_available())
+    on_gpu = torch.cuda.is_available()
+    base_config = read_config_file(config_path) if args.config else default_config(args.steps, on_gpu)
+    # csv_monitor into the run dir and the step timers: `zeroshard report`'s PNGs at the end.
+    config = with_monitoring(base_config, run_dir)
     engine, optimizer, loader, scheduler = zeroshard.initialize(
         model=model, model_parameters=model.parameters(), config=config, training_data=train_data
     )
@@ -224,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run.json").write_text(json.dumps({"model": args.model}) + "\n")
         if not args.config:  # the embedded config, written out so `zeroshard explain` can read it
-            (run_dir / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
+            # Without the monitoring sections: they name this run dir, and a run started from
+            # this file with another --run-dir should write its CSV files there.
+            (run_dir / "ds_config.json").write_text(json.dumps(base_config, indent=2) + "\n")
         # Keep exactly the records up to the step training starts from: on a fresh start the
         # file begins empty; on resume, records past the checkpoint (a run that crashed) go.
         kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step] if resumed else []
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 x, y = x.to(engine.device, non_blocking=True), y.to(engine.device, non_blocking=True)
                 loss = engine(x, y)[1]
                 engine.backward(loss)
-                step_before = engine.global_steps
+                step_before, samples_before = engine.global_steps, engine.global_samples
                 engine.step()
                 window_loss += loss.detach().float()
                 window_micro += 1
@@ -268,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 loss_value = all_ranks_mean(window_loss / window_micro)
                 window_loss.zero_()
                 window_micro = 0
+                # At the engine's train_loss index (samples before the step), as DeepSpeed's.
+                engine.monitor.write_events([(LOGGED_LOSS_EVENT, loss_value, samples_before)])
                 now = time.perf_counter()
                 tokens_per_s = tokens_per_step / (now - t_last)
                 train_seconds += now - t_last
@@ -310,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         plan_text = precision_plan_text(config_path, world_size, args.model, engine.precision_plan)
         (run_dir / "precision_plan.txt").write_text(plan_text)
         (run_dir / "sample.txt").write_text(sample + "\n")
+        engine.monitor.flush()  # the CSV files complete on disk before the report reads them
+        csv_dir = csv_folder(resolved)
+        report_pngs, no_report = write_report_pngs(csv_dir, run_dir)
         if records:
             first, last = records[0], records[-1]
             speed = f"; {average_tokens_per_s:,.0f} tokens/s on average this run" if train_seconds else ""
@@ -319,7 +331,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         progress.print("[bold]sample:[/]")
         progress.print(sample, markup=False, highlight=False)
-        progress.print(f"\nrun dir {run_dir}: metrics.jsonl, loss.png, precision_plan.txt, sample.txt, checkpoints/")
+        outputs = ["metrics.jsonl", "loss.png", *(p.name for p in report_pngs), "precision_plan.txt", "sample.txt"]
+        progress.print(f"\nrun dir {run_dir}: {', '.join(outputs)}, checkpoints/")
+        if report_pngs:
+            progress.print(
+                f"report ({', '.join(p.name for p in report_pngs)}) drawn from the csv_monitor files in {csv_dir}"
+            )
+        else:
+            progress.print(f"no report PNGs: {no_report}")
     dist.destroy_process_group()
     return 0
 
