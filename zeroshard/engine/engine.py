@@ -25,9 +25,7 @@ from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
-from zeroshard.monitor.figures import RunFigures
-from zeroshard.monitor.master import MonitorMaster
-from zeroshard.monitor.training_figures import TrainingFigures
+from zeroshard.monitor.attach import build_monitoring
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
 from zeroshard.sharding.layout import ParallelLayout, establish
@@ -122,11 +120,10 @@ class Engine(EngineAPI):
         )
         # ---- monitoring (zeroshard/monitor/): timers, FLOPs, collectives, MoE figures; DeepSpeed's
         # engine.monitor (csv, tensorboard, wandb) and engine.metrics(), which joins both.
-        self.figures = RunFigures(self.module, config, self.device, self.global_rank, self.optimizer)
+        self.figures, self.monitor, self.training_figures = build_monitoring(
+            self.module, config, self.device, self.global_rank, self.optimizer, fp16=plan.mode == "fp16"
+        )
         self.timers = self.figures.timers
-        self.monitor = MonitorMaster(config, self.global_rank)
-        self.training_figures = TrainingFigures(self.monitor, fp16=plan.mode == "fp16")
-        self.training_figures.register("", self.figures.summary)
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
