@@ -116,6 +116,12 @@ class EngineAPI:
         """False: `step()` alone is the accumulation boundary (DeepSpeed 0.19's unmanaged mode)."""
         return self.config.managed_gradient_accumulation
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`stage3_gather_16bit_weights_on_model_save` (or its legacy fp16 spelling): accelerate
+        asks it before consolidating a stage-3 model for `save_model`."""
+        zero = self.config.zero_optimization
+        return zero.stage3_gather_16bit_weights_on_model_save or zero.stage3_gather_fp16_weights_on_model_save
+
     # --------------------------------------------------------------- counters
     # DeepSpeed's attributes; a checkpoint load sets them.
     @property

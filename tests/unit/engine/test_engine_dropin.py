@@ -88,3 +88,12 @@ def test_torch_autocast_accessors_report_the_config():
     engine = make_engine(torch_autocast={"enabled": True, "dtype": "float16"})
     assert engine.torch_autocast_enabled() is True
     assert engine.torch_autocast_dtype() is torch.float16
+
+
+@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save",
+                                 "stage3_gather_fp16_weights_on_model_save",
+                                 "gather_16bit_weights_on_model_save"])
+def test_zero_gather_16bit_weights_on_model_save_reports_every_spelling(key):
+    assert make_engine(zero_optimization={"stage": 1}).zero_gather_16bit_weights_on_model_save() is False
+    engine = make_engine(zero_optimization={"stage": 1, key: True})
+    assert engine.zero_gather_16bit_weights_on_model_save() is True
