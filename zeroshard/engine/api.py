@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zeroshard.config.base import canonical_dtype_name
+from zeroshard.config.sections import DEFAULT_LOWER_PRECISION_SAFE_MODULES
 from zeroshard.moe.autoep.layer import AutoEPMoELayer
 from zeroshard.moe.layer import MoE
 
@@ -97,6 +98,12 @@ class EngineAPI:
     def torch_autocast_dtype(self) -> torch.dtype:
         """The `torch_autocast.dtype` as a torch dtype (bfloat16 unless the config names one)."""
         return _TORCH_DTYPE[canonical_dtype_name(self.config.torch_autocast.dtype)]
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """The configured dotted class names, or the default ones (torch's Linear and Conv1d-3d,
+        DeepSpeed's default classes, spelled by their public paths)."""
+        names = self.config.torch_autocast.lower_precision_safe_modules
+        return list(DEFAULT_LOWER_PRECISION_SAFE_MODULES if names is None else names)
 
     # ----------------------------------------------------------------- config
     def fp16_enabled(self) -> bool:

@@ -97,3 +97,17 @@ def test_zero_gather_16bit_weights_on_model_save_reports_every_spelling(key):
     assert make_engine(zero_optimization={"stage": 1}).zero_gather_16bit_weights_on_model_save() is False
     engine = make_engine(zero_optimization={"stage": 1, key: True})
     assert engine.zero_gather_16bit_weights_on_model_save() is True
+
+
+def test_lower_precision_safe_modules_default_to_deepspeeds_classes():
+    import importlib
+
+    def resolve(dotted):
+        module, _, name = dotted.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    # DeepSpeed 0.19's default list (runtime/torch_autocast.py): Linear and Conv1d-3d.
+    default = [resolve(n) for n in make_engine().torch_autocast_lower_precision_safe_modules()]
+    assert default == [nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d]
+    engine = make_engine(torch_autocast={"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linear"]})
+    assert engine.torch_autocast_lower_precision_safe_modules() == ["torch.nn.Linear"]
