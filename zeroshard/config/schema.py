@@ -355,7 +355,9 @@ def _walk(
                     f"{unsupported.hint}"
                 )
         else:
-            report.problems.append(f"{key_path}: unknown key." + did_you_mean(key, section.json_keys()))
+            report.problems.append(
+                f"{key_path}: unknown key." + did_you_mean(key, section.json_keys(), key_path=key_path)
+            )
     return cleaned
 
 

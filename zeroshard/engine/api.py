@@ -3,7 +3,9 @@
 `EngineAPI` is mixed into `Engine` (engine.py orchestrates; these are the small accessors and
 controls a DeepSpeed script calls): the config queries, DeepSpeed's step counters (kept by the
 engine's `Accumulation`, zeroshard/grads/accumulation.py), `scale`, `was_step_applied`,
-`destroy`, `empty_partition_cache` and `coalesce_grad_reduction`.
+`destroy`, `empty_partition_cache` and `coalesce_grad_reduction`; the accessors trainers read
+(`torch_autocast_enabled`, `torch_autocast_dtype`, `has_moe_layers`, `modules`), and DeepSpeed's
+fallback of attribute reads to the wrapped module.
 """
 
 from __future__ import annotations
@@ -14,9 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zeroshard.config.base import canonical_dtype_name
+from zeroshard.config.sections import DEFAULT_LOWER_PRECISION_SAFE_MODULES
+from zeroshard.moe.autoep.layer import AutoEPMoELayer
+from zeroshard.moe.layer import MoE
+
 if TYPE_CHECKING:
     from zeroshard.config.schema import ZeroshardConfig
     from zeroshard.grads.accumulation import Accumulation
+
+
+_TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class _PreScaledLoss(torch.autograd.Function):
@@ -53,6 +63,48 @@ class EngineAPI:
     config: ZeroshardConfig
     accumulation: Accumulation
 
+    def __getattr__(self, name: str) -> Any:
+        # Python calls this only when normal lookup failed, so the engine's own attributes
+        # always win (DeepSpeed's engine falls back to its module the same way: `engine.moe_1`).
+        # The module is read from __dict__ so an engine without one (unpickling, a failed
+        # __init__) raises instead of recursing; dunder names are never forwarded, so copy and
+        # pickle probes see the engine's own protocol, not the module's.
+        module = self.__dict__.get("module")
+        if module is not None and not (name.startswith("__") and name.endswith("__")):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def modules(self) -> Iterator[torch.nn.Module]:
+        """The wrapped module's `modules()`. DeepSpeed's engine is itself an nn.Module and yields
+        itself first; this engine is not one, and, like `parameters()`, answers for the module."""
+        return self.module.modules()
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Module]]:
+        """The wrapped module's `named_modules()` (names without DeepSpeed's "module." prefix)."""
+        return self.module.named_modules(*args, **kwargs)
+
+    @property
+    def has_moe_layers(self) -> bool:
+        """Whether the module holds an MoE layer (zeroshard's `MoE` or an AutoEP layer), as
+        DeepSpeed's attribute that trainers read to choose MoE-aware checkpointing."""
+        return any(isinstance(m, (MoE, AutoEPMoELayer)) for m in self.module.modules())
+
+    def torch_autocast_enabled(self) -> bool:
+        return self.config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> torch.dtype:
+        """The `torch_autocast.dtype` as a torch dtype (bfloat16 unless the config names one)."""
+        return _TORCH_DTYPE[canonical_dtype_name(self.config.torch_autocast.dtype)]
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """The configured dotted class names, or the default ones (torch's Linear and Conv1d-3d,
+        DeepSpeed's default classes, spelled by their public paths)."""
+        names = self.config.torch_autocast.lower_precision_safe_modules
+        return list(DEFAULT_LOWER_PRECISION_SAFE_MODULES if names is None else names)
+
     # ----------------------------------------------------------------- config
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
@@ -70,6 +122,12 @@ class EngineAPI:
     def managed_gradient_accumulation(self) -> bool:
         """False: `step()` alone is the accumulation boundary (DeepSpeed 0.19's unmanaged mode)."""
         return self.config.managed_gradient_accumulation
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`stage3_gather_16bit_weights_on_model_save` (or its legacy fp16 spelling): accelerate
+        asks it before consolidating a stage-3 model for `save_model`."""
+        zero = self.config.zero_optimization
+        return zero.stage3_gather_16bit_weights_on_model_save or zero.stage3_gather_fp16_weights_on_model_save
 
     # --------------------------------------------------------------- counters
     # DeepSpeed's attributes; a checkpoint load sets them.

@@ -2,7 +2,8 @@
 
 The key table must list every key the config models recognise, each in the class and model the
 models put it in, and nothing else; every name the API tables call present must exist at the
-place the table gives (`deepspeed.x.y` read as `zeroshard.x.y`, an engine name on a real engine).
+place the table gives (`deepspeed.x.y` read as `zeroshard.x.y`, an engine name on a real engine),
+and every name they call absent must not exist there, so a row cannot go stale either way.
 """
 
 from __future__ import annotations
@@ -91,26 +92,50 @@ def _resolve(dotted: str):
     raise ImportError(dotted)
 
 
+def _rows(title: str, status: str) -> list[list[str]]:
+    return [row for row in _table_rows(_section(title)) if row[1] == status]
+
+
 def _present_rows(title: str) -> list[list[str]]:
-    return [row for row in _table_rows(_section(title)) if row[1] == "present"]
+    return _rows(title, "present")
+
+
+def _module_names(row: list[str]) -> list[str]:
+    """The dotted names of a module-level row; a bare name takes the prefix of the one before."""
+    names, prefix = [], None
+    for token in _code(row[0]):
+        name = token.split("(")[0].strip()
+        if "*" in name:
+            continue  # a family, spelled out in the notes
+        if name.startswith("deepspeed."):
+            prefix = name.rsplit(".", 1)[0]
+        else:
+            assert prefix is not None, row
+            name = f"{prefix}.{name}"
+        names.append(name)
+    return names
 
 
 def test_present_module_names_exist():
     checked = 0
     for row in _present_rows("Module level"):
-        prefix = None
-        for token in _code(row[0]):
-            name = token.split("(")[0].strip()
-            if "*" in name:
-                continue  # a family, spelled out in the notes
-            if name.startswith("deepspeed."):
-                prefix = name.rsplit(".", 1)[0]
-            else:
-                assert prefix is not None, row
-                name = f"{prefix}.{name}"
+        for name in _module_names(row):
             _resolve(name)
             checked += 1
     assert checked >= 5
+
+
+def test_absent_module_names_do_not_exist():
+    names = [name for row in _rows("Module level", "absent") for name in _module_names(row)]
+    assert len(names) >= 10
+    present = []
+    for name in names:
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError):
+            continue
+        present.append(name)
+    assert not present, f"the doc says these are absent, but zeroshard has them: {present}"
 
 
 class _Tiny(nn.Module):
@@ -122,21 +147,44 @@ class _Tiny(nn.Module):
         return self.fc(x)
 
 
-def test_present_engine_names_exist():
+def _engine():
     model = _Tiny()
     engine, *_ = zeroshard.initialize(
         model=model, model_parameters=model.parameters(), dist_init_required=False,
         config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
     )
+    return engine
+
+
+def _engine_names(row: list[str]) -> list[str]:
+    names = []
+    for token in _code(row[0]):
+        token = token.removeprefix("engine.")
+        if "*" in token:
+            continue  # a family, spelled out in the notes
+        name = re.match(r"[A-Za-z_]\w*", token).group(0)
+        if name != "engine":  # the call itself: engine(...)
+            names.append(name)
+    return names
+
+
+def test_present_engine_names_exist():
+    engine = _engine()
     checked = 0
     for row in _present_rows("Engine"):
-        for token in _code(row[0]):
-            name = re.match(r"[A-Za-z_]\w*", token).group(0)
-            if name in ("engine",):  # the call itself: engine(...)
-                continue
+        for name in _engine_names(row):
             assert hasattr(engine, name), f"the doc says engine.{name} is present"
             checked += 1
     assert checked >= 10
+
+
+def test_absent_engine_names_do_not_exist():
+    # Read through the attribute fallback too: a name the module answers is not absent.
+    engine = _engine()
+    names = [name for row in _rows("Engine", "absent") for name in _engine_names(row)]
+    assert len(names) >= 3
+    present = [name for name in names if hasattr(engine, name)]
+    assert not present, f"the doc says engine.{present} are absent, but the engine answers them"
 
 
 @pytest.mark.parametrize("title", ["Config keys", "Module level", "Engine", "Deliberate differences"])

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from zeroshard.comm import collectives as comm
 from zeroshard.comm.collectives import Group
 from zeroshard.moe.autoep.carry import apply_marks, carried_marks
 from zeroshard.moe.autoep.dispatch import combine, dispatch
@@ -172,7 +173,8 @@ class AutoEPMoELayer(nn.Module):
         self.ep_rank = ep_rank
         self.num_local_experts = settings.num_experts // ep_size
         self.ep_group_name = expert_group_name(ep_size)
-        self.ep_group: Group | None = None
+        # zeroshard's Group for the layer's own collectives; `ep_group` is torch's handle of it.
+        self.expert_group: Group | None = None
         self.settings = settings
         bias = getattr(hf_router, preset.selection_bias, None) if preset.selection_bias else None
         router_weight = hf_router.weight
@@ -217,10 +219,23 @@ class AutoEPMoELayer(nn.Module):
         self.experts.force_native_grouped_mm = disable_triton_grouped_mm
         self.combine_impl = "legacy_bmm" if combine_impl == "legacy_bmm" else "weighted_sum"
 
+    @property
+    def ep_group(self) -> Any:
+        """The expert-parallel torch ProcessGroup, as DeepSpeed's layer holds it (users pass it
+        to torch.distributed: `dist.get_world_size(group=layer.ep_group)`). None before
+        `set_deepspeed_parallelism`, and for autoep_size 1, whose group of one has no torch
+        process group (zeroshard never communicates in it)."""
+        return None if self.expert_group is None else self.expert_group.handle
+
+    @ep_group.setter
+    def ep_group(self, group: Any) -> None:
+        # DeepSpeed code assigns a torch ProcessGroup; zeroshard's own Group is taken as is.
+        self.expert_group = group if group is None or isinstance(group, Group) else comm.group_of(group)
+
     def set_deepspeed_parallelism(self, layout: ParallelLayout | None = None) -> None:
         """Attach the expert-parallel group of `layout` (the engine's; else the process's one
         layout, which builds it once per size, collectively)."""
-        self.ep_group, _ = (layout if layout is not None else current_layout()).expert_groups(self.ep_size)
+        self.expert_group, _ = (layout if layout is not None else current_layout()).expert_groups(self.ep_size)
 
     def global_expert_index(self, local_index: int) -> int:
         return self.ep_rank * self.num_local_experts + local_index
@@ -231,7 +246,7 @@ class AutoEPMoELayer(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
-        if self.ep_size > 1 and self.ep_group is None:
+        if self.ep_size > 1 and self.expert_group is None:
             raise RuntimeError(
                 f"AutoEPMoELayer with autoep_size={self.ep_size} has no expert-parallel group: call "
                 "set_deepspeed_parallelism() (zeroshard.initialize does) before the forward."
@@ -240,7 +255,7 @@ class AutoEPMoELayer(nn.Module):
         if self.count_tokens and self.training:  # evaluation forwards do not steer the balance
             counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts).float()
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
-        group = self.ep_group if self.ep_size > 1 else None
+        group = self.expert_group if self.ep_size > 1 else None
         routed, plan, order = dispatch(tokens, selected, self.num_experts, group, self.num_local_experts)
         expert_out = self.experts(routed, plan.local_counts)
         per_route = combine(expert_out, plan, order, group, selected.numel())
