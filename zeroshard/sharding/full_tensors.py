@@ -83,14 +83,22 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
     """The optimizer state `optim_state_key` (torch's names: exp_avg, exp_avg_sq,
     momentum_buffer, step) for this parameter, full size; None for a frozen parameter or a
     state the optimizer does not keep."""
+    found = optimizer_state_of(param, optim_state_key)
+    if found is None:
+        return None
+    flat, index, value = found
+    if value.dim() == 0:
+        return value.detach().clone()  # a scalar such as `step`
+    return _param_slice(flat, _full_flat(flat, value), index)
+
+
+def optimizer_state_of(param: nn.Parameter, optim_state_key: str):
+    """(flat, index in the flat, this rank's state tensor of `optim_state_key` for the flat's
+    master) or None for a frozen parameter or a state the optimizer does not keep."""
     if frozen(param):
         return None
     registry, flat, index = _locate(param)
     optimizer = registry.optimizer()
     state = optimizer.state.get(flat.master, {}) if optimizer is not None else {}
     value = state.get(optim_state_key)
-    if value is None:
-        return None
-    if value.dim() == 0:
-        return value.detach().clone()  # a scalar such as `step`
-    return _param_slice(flat, _full_flat(flat, value), index)
+    return None if value is None else (flat, index, value)

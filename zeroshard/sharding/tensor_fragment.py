@@ -22,6 +22,7 @@ from torch import nn
 from zeroshard.sharding.full_tensors import (
     _locate,
     frozen,
+    optimizer_state_of,
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,
@@ -242,14 +243,10 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
 
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """This rank's part of the optimizer state `optim_state_key`, flattened."""
-    if frozen(param):
+    found = optimizer_state_of(param, optim_state_key)
+    if found is None:
         return None
-    registry, flat, index = _locate(param)
-    optimizer = registry.optimizer()
-    state = optimizer.state.get(flat.master, {}) if optimizer is not None else {}
-    value = state.get(optim_state_key)
-    if value is None:
-        return None
+    flat, index, value = found
     return value.detach().clone() if value.dim() == 0 else _local_slice(flat, index, value)
 
 
