@@ -4,7 +4,6 @@ fp16 parameters and fp32 masters gathers by casting the master, keeping no param
 from __future__ import annotations
 
 import contextlib
-import gc
 from typing import Any
 
 import torch
@@ -28,29 +27,32 @@ def _gather_source(path: str):
         flat_module.master_feeds_gather = real
 
 
-def live_bytes() -> int:
-    """Bytes of every distinct storage a live tensor holds (benchmarks/gpu_check/held_bytes.py's
-    count): what stays allocated between steps."""
-    gc.collect()
+def engine_bytes(engine) -> int:
+    """Bytes of every distinct storage the engine's flats hold between steps: full buffers,
+    16-bit parameter shards, masters, gradient buffers and the optimizer's state of each master.
+    (Counting every live tensor through the garbage collector instead also caught small
+    tensors of unrelated objects, 28 bytes off in one run of the whole suite.)"""
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
-                continue
-        except ReferenceError:  # a dead weak proxy
-            continue
-        storage = obj.untyped_storage()
-        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+
+    state = engine.optimizer.state if engine.optimizer is not None else {}
+    for flat in engine.flats:
+        for t in (flat.full, flat.param_shard, flat.master, flat.master.grad,
+                  flat.grads.local, flat.grads.reduced, flat.grads.reduced_full):
+            add(t)
+        for value in state.get(flat.master, {}).values():
+            add(value)
+    seen.pop(0, None)  # freed buffers (a null pointer) hold nothing
     return sum(seen.values())
 
 
 def held_between_steps(mode: str, path: str) -> dict[str, Any]:
-    """Train 2 steps keeping nothing; the bytes the engine holds between steps (what is freed
-    with it), and this rank's shard elements.
-
-    Counted as what dies with the engine, not as what was born since a baseline: storage of
-    earlier runs that the collector releases in the meantime (seen: a 4,976-byte fp32 copy of
-    TinyModel's parameters, in one run of three) would otherwise be subtracted from it."""
+    """Train 2 steps keeping nothing; the bytes the engine's flats hold between steps, and this
+    rank's shard elements."""
     case = Case(stage=3, mode=mode, steps=2, keep=())
     with _gather_source(path):
         engine = build_engine(case)
@@ -60,11 +62,9 @@ def held_between_steps(mode: str, path: str) -> dict[str, Any]:
         "sharded_flats": sum(f.params_sharded for f in engine.flats),
         "param_shards": sum(f.param_shard is not None for f in engine.flats),
         "losses": result["losses"],
+        "held": engine_bytes(engine),
     }
-    with_engine = live_bytes()
     engine.destroy()
-    del engine
-    out["held"] = with_engine - live_bytes()
     return out
 
 
