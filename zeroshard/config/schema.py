@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
+from zeroshard.config.batch import BATCH_KEYS, data_parallel_size, resolve_batch_triangle
 from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
@@ -452,68 +453,7 @@ def _collect_defaults(model: _Section, raw: dict[str, Any], path: str, out: list
             out.append(field_path)
 
 
-_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _warned_no_effect: set[str] = set()
-
-
-def _resolve_batch_triangle(cfg: ZeroshardConfig, world_size: int) -> list[str]:
-    """Apply DeepSpeed's rule: any two of the three batch keys give the third.
-
-    Returns the problems found (empty if consistent); fills the three fields in ``cfg``.
-    """
-    train, micro, accum = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
-    derived: list[str] = []
-    defaults: list[str] = []
-    if train is not None and micro is not None and accum is not None:
-        if train != micro * accum * world_size:
-            return [
-                f"train_batch_size={train} != train_micro_batch_size_per_gpu ({micro}) * "
-                f"gradient_accumulation_steps ({accum}) * world_size ({world_size}) = "
-                f"{micro * accum * world_size}. Fix one of them, or drop one key and it will be derived."
-            ]
-    elif train is not None and micro is not None:
-        if train % (micro * world_size):
-            return [
-                f"train_batch_size={train} is not divisible by train_micro_batch_size_per_gpu ({micro}) "
-                f"* world_size ({world_size}) = {micro * world_size}, so gradient_accumulation_steps "
-                "cannot be derived. Fix one of them, or give gradient_accumulation_steps instead."
-            ]
-        accum = train // (micro * world_size)
-        derived.append("gradient_accumulation_steps")
-    elif train is not None and accum is not None:
-        if train % (accum * world_size):
-            return [
-                f"train_batch_size={train} is not divisible by gradient_accumulation_steps ({accum}) "
-                f"* world_size ({world_size}) = {accum * world_size}, so train_micro_batch_size_per_gpu "
-                "cannot be derived. Fix one of them, or give train_micro_batch_size_per_gpu instead."
-            ]
-        micro = train // (accum * world_size)
-        derived.append("train_micro_batch_size_per_gpu")
-    elif train is not None:
-        accum = 1
-        defaults.append("gradient_accumulation_steps")
-        if train % world_size:
-            return [
-                f"train_batch_size={train} is not divisible by world_size ({world_size}), so "
-                "train_micro_batch_size_per_gpu cannot be derived. Make it a multiple of the world size."
-            ]
-        micro = train // world_size
-        derived.append("train_micro_batch_size_per_gpu")
-    else:
-        if micro is None:
-            micro = 1
-            defaults.append("train_micro_batch_size_per_gpu")
-        if accum is None:
-            accum = 1
-            defaults.append("gradient_accumulation_steps")
-        train = micro * accum * world_size
-        derived.append("train_batch_size")
-    cfg.__dict__.update(
-        train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum
-    )  # the config is frozen for its readers; this pass is its one writer
-    cfg._derived_keys.extend(derived)
-    cfg._defaults_applied[:0] = defaults
-    return []
 
 
 def _read_raw(raw: dict | str | os.PathLike) -> dict[str, Any]:
@@ -599,9 +539,9 @@ def _check_config(
     _collect_defaults(cfg, cleaned, "", cfg._defaults_applied)
     if cfg.zero_optimization.overlap_comm is None:
         cfg.zero_optimization.__dict__["overlap_comm"] = cfg.zero_optimization.overlap_comm_resolved
-    data_parallel = _data_parallel_size(cfg, data, world_size, sequence_parallel_size, problems)
-    if not tainted & set(_BATCH_KEYS):
-        problems.extend(_resolve_batch_triangle(cfg, data_parallel))
+    data_parallel = data_parallel_size(cfg, data, world_size, sequence_parallel_size, problems)
+    if not tainted & set(BATCH_KEYS):
+        problems.extend(resolve_batch_triangle(cfg, data_parallel))
     if not problems:
         new_warnings = [k for k in report.no_effect_changed if k not in _warned_no_effect]
         if new_warnings:
@@ -612,32 +552,3 @@ def _check_config(
                 stacklevel=3,
             )
     return cfg, problems, tainted
-
-
-def _data_parallel_size(
-    cfg: ZeroshardConfig, data: dict, world_size: int, given_sp: int | None, problems: list[str]
-) -> int:
-    """The data-parallel world (world / sequence-parallel size); records the problems."""
-    sp = cfg.sequence_parallel_size
-    if given_sp is not None and given_sp != sp:
-        if "sequence_parallel_size" in data:
-            problems.append(
-                f"sequence_parallel_size={sp}: the sequence-parallel groups given (mpu) have {given_sp} ranks. "
-                "Make them agree, or drop the key."
-            )
-        sp = given_sp
-        cfg.__dict__["sequence_parallel_size"] = sp
-    if world_size % sp:
-        problems.append(
-            f"sequence_parallel_size={sp}: must divide the world size {world_size}. "
-            "Launch a multiple of it ranks, or pick a divisor."
-        )
-        return world_size
-    dp = world_size // sp
-    if cfg.data_parallel_size is not None and cfg.data_parallel_size != dp:
-        problems.append(
-            f"data_parallel_size={cfg.data_parallel_size}: must be world size {world_size} / "
-            f"sequence_parallel_size {sp} = {dp}. Fix one of them, or drop data_parallel_size and it will be derived."
-        )
-    cfg.__dict__["data_parallel_size"] = dp
-    return dp
