@@ -23,6 +23,13 @@ from types import ModuleType
 
 ALIAS = "deepspeed"
 TARGET = "zeroshard"
+# What to do instead, for DeepSpeed paths that integrations import and zeroshard leaves out.
+_INSTEAD = {
+    "deepspeed.ops.adagrad": "zeroshard's host optimizer is DeepSpeedCPUAdam (Adam/AdamW): train with AdamW, "
+    "or keep Adagrad without offload_optimizer.",
+    "deepspeed.ops.lion": "zeroshard's host optimizer is DeepSpeedCPUAdam (Adam/AdamW): train with AdamW, "
+    "or keep Lion without offload_optimizer.",
+}
 
 
 class _ExistingModuleLoader(importlib.abc.Loader):
@@ -50,9 +57,11 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
         # Only look here (under the global import lock); the import itself runs in create_module.
         found = module.__spec__ if module is not None else importlib.util.find_spec(name)
         if found is None:
+            instead = f"{_INSTEAD[fullname]} " if fullname in _INSTEAD else ""
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: zeroshard, which `deepspeed` names in this environment (the "
-                f"alias from `zeroshard install-deepspeed-alias`), does not provide {fullname}. See "
+                f"alias from `zeroshard install-deepspeed-alias`), does not provide {fullname}. "
+                f"{instead}See "
                 "docs/migrating-from-deepspeed.md for what it covers; to use the real DeepSpeed, run "
                 "`zeroshard install-deepspeed-alias --uninstall` and `pip install deepspeed`.",
                 name=fullname,
