@@ -159,7 +159,8 @@ def main() -> None:
     from zeroshard.tools.deepspeed_alias import install
 
     with tempfile.TemporaryDirectory(prefix="hf_zero3_load-") as tmp:
-        alias = str(install(target=Path(tmp) / "alias"))
+        alias = str(Path(tmp) / "alias")
+        install(target=Path(alias))  # the folder that goes on sys.path (it holds deepspeed/ and its dist-info)
         path = str(Path(tmp) / "checkpoint")
         torch.manual_seed(0)
         LlamaForCausalLM(llama_config(args.hidden, args.layers, args.vocab)).save_pretrained(path)
