@@ -1,0 +1,150 @@
+"""`zeroshard install-deepspeed-alias` (issue 24, item 1): install into a `--target` folder,
+reinstall, uninstall, refuse a real DeepSpeed, and `pip uninstall deepspeed`.
+
+What `import deepspeed` then gives is checked in a fresh interpreter (the alias changes
+sys.modules and sys.meta_path, which this test process must not carry): one subprocess for the
+installer's files and the import semantics together.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import venv
+from pathlib import Path
+
+import pytest
+
+from zeroshard.cli import main
+from zeroshard.tools import deepspeed_alias
+from zeroshard.tools.deepspeed_alias import DIST_INFO, VERSION, AliasError, install, uninstall
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _python(code: str, *path: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*(str(p) for p in path), str(REPO)]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _fake_dist(target: Path, version: str) -> None:
+    info = target / f"deepspeed-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {version}\n")
+
+
+def test_install_writes_a_distribution_whose_record_matches_the_files(tmp_path: Path) -> None:
+    assert main(["install-deepspeed-alias", "--target", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["deepspeed", DIST_INFO])
+    assert DIST_INFO == "deepspeed-0.19.8+zeroshard.dist-info"
+    info = tmp_path / DIST_INFO
+    assert (info / "top_level.txt").read_text() == "deepspeed\n"
+    assert "Version: 0.19.8+zeroshard\n" in (info / "METADATA").read_text()
+    rows = (info / "RECORD").read_text().splitlines()
+    assert f"{DIST_INFO}/RECORD,," in rows
+    listed = set()
+    for row in rows:  # every file but RECORD itself with its sha256 (urlsafe, unpadded) and size, as pip checks
+        path, digest, size = row.split(",")
+        listed.add(path)
+        if path.endswith("RECORD"):
+            continue
+        data = (tmp_path / path).read_bytes()
+        assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        assert int(size) == len(data)
+    on_disk = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
+    assert listed == on_disk
+
+
+def test_reinstall_is_idempotent_and_uninstall_leaves_nothing(tmp_path: Path) -> None:
+    first = install(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    (first / "__pycache__").mkdir()  # what an import leaves behind
+    (first / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"x")
+    assert install(tmp_path) == first
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert uninstall(tmp_path) is True
+    assert list(tmp_path.iterdir()) == []
+    assert uninstall(tmp_path) is False
+    assert main(["install-deepspeed-alias", "--target", str(tmp_path), "--uninstall"]) == 0
+
+
+def test_refuses_a_real_deepspeed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fake_dist(tmp_path, "0.19.8")
+    with pytest.raises(AliasError, match=r"real DeepSpeed is installed \(deepspeed 0\.19\.8 at .*pip uninstall"):
+        install(tmp_path)
+    assert main(["install-deepspeed-alias", "--target", str(tmp_path)]) == 1
+    assert "real DeepSpeed" in capsys.readouterr().err
+    with pytest.raises(AliasError, match="holds a real DeepSpeed"):
+        uninstall(tmp_path)
+    assert not (tmp_path / "deepspeed").exists()
+
+
+def test_refuses_a_foreign_deepspeed_folder(tmp_path: Path) -> None:
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text("__version__ = '0.19.8'\n")
+    with pytest.raises(AliasError, match="is not the zeroshard alias"):
+        install(tmp_path)
+
+
+def test_default_target_is_this_environments_site_packages() -> None:
+    import sysconfig
+
+    assert deepspeed_alias.default_target() == Path(sysconfig.get_paths()["purelib"])
+
+
+def test_import_deepspeed_is_zeroshard_through_the_alias(tmp_path: Path) -> None:
+    install(tmp_path)
+    result = _python(
+        """
+        import importlib, importlib.metadata, importlib.util, sys
+        spec = importlib.util.find_spec("deepspeed")
+        assert spec is not None and spec.origin.endswith("deepspeed/__init__.py"), spec
+        assert importlib.metadata.version("deepspeed") == "0.19.8+zeroshard"
+        import deepspeed, zeroshard
+        assert deepspeed is zeroshard and deepspeed.__spec__.name == "zeroshard"
+        assert importlib.util.find_spec("deepspeed") is not None
+        import deepspeed.comm as dist
+        import deepspeed.runtime.sequence_parallel.ulysses_sp as ds_sp
+        import zeroshard.comm, zeroshard.runtime.sequence_parallel.ulysses_sp as zs_sp
+        assert dist is zeroshard.comm and ds_sp is zs_sp
+        assert dist.__spec__.name == "zeroshard.comm" and ds_sp.__spec__.name == zs_sp.__name__
+        # one copy of every module: nothing was loaded a second time under the deepspeed name
+        doubles = [n for n, m in sys.modules.items() if n.startswith("deepspeed.")
+                   and m is not sys.modules["zeroshard" + n[len("deepspeed"):]]]
+        assert not doubles, doubles
+        try:
+            import deepspeed.ops.op_builder
+        except ModuleNotFoundError as exc:
+            assert exc.name == "deepspeed.ops.op_builder", exc.name
+            assert "zeroshard" in str(exc) and "does not provide deepspeed.ops.op_builder" in str(exc), exc
+        else:
+            raise AssertionError("deepspeed.ops.op_builder imported")
+        print("ok")
+        """,
+        tmp_path,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_pip_uninstall_deepspeed_removes_the_alias(tmp_path: Path) -> None:
+    """pip removes only what lies inside its environment: a bare venv (no pip of its own, none
+    downloaded) runs the pip of this one, with the alias in the venv's site-packages."""
+    import pip
+
+    venv.create(tmp_path / "env", with_pip=False)
+    env_python = tmp_path / "env" / "bin" / "python"
+    purelib = subprocess.run([env_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    install(purelib)
+    pip_dir = Path(pip.__file__).parent
+    result = subprocess.run([env_python, str(pip_dir), "uninstall", "-y", "deepspeed"], capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, PIP_NO_INPUT="1", PYTHONPATH=""))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Successfully uninstalled deepspeed-0.19.8+zeroshard" in result.stdout, result.stdout
+    assert not (Path(purelib) / "deepspeed").exists() and not (Path(purelib) / DIST_INFO).exists()
+    assert VERSION.endswith("+zeroshard")

@@ -1,0 +1,2 @@
+"""DeepSpeed's `deepspeed.launcher` path (the names integrations read; zeroshard's launching is
+zeroshard/launch/: `zeroshard launch` is torchrun)."""
