@@ -77,7 +77,9 @@ def write_fp32(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: st
     return out_path
 
 
-def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+def consolidated_16bit_state_dict(
+    engine: Any, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor] | None:
     """The module's full state dict in the parameter dtype, on the host: a dict on rank 0,
     None on the other ranks. Collective.
 
