@@ -148,3 +148,37 @@ def test_pip_uninstall_deepspeed_removes_the_alias(tmp_path: Path) -> None:
     assert "Successfully uninstalled deepspeed-0.19.8+zeroshard" in result.stdout, result.stdout
     assert not (Path(purelib) / "deepspeed").exists() and not (Path(purelib) / DIST_INFO).exists()
     assert VERSION.endswith("+zeroshard")
+
+
+def test_the_migration_guides_commands_print_what_it_says(tmp_path: Path) -> None:
+    """The transcript under "The `deepspeed` alias" (docs/migrating-from-deepspeed.md), run with
+    `--target` a temporary folder (never this environment's site-packages) on PYTHONPATH;
+    `...` in an expected line stands for any text."""
+    import re
+    import shlex
+
+    page = (REPO / "docs" / "migrating-from-deepspeed.md").read_text(encoding="utf-8")
+    section = page.split("## The `deepspeed` alias", 1)[1]
+    block = re.search(r"^```shell\n(.*?)^```", section, re.S | re.M).group(1)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    commands = 0
+    output: list[str] = []
+    expected: list[str] = []
+    for line in block.splitlines():
+        if not line.startswith("$ "):
+            expected.append(line)
+            continue
+        argv = shlex.split(line[2:])
+        if argv[0] == "zeroshard":
+            argv = [sys.executable, "-m", "zeroshard", *argv[1:], "--target", str(tmp_path)]
+        else:
+            assert argv[0] == "python", line
+            argv[0] = sys.executable
+        result = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"{line}: {result.stderr}"
+        output += result.stdout.splitlines()
+        commands += 1
+    assert commands == 4 and len(output) == len(expected), (output, expected)
+    for got, want in zip(output, expected, strict=True):
+        assert re.fullmatch(".*".join(map(re.escape, want.split("..."))), got), (got, want)
+    assert list(tmp_path.iterdir()) == []  # the last command removed what the first installed
