@@ -37,6 +37,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 2**20
+STAGE3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
 
 
 def _rss() -> tuple[int, int]:
@@ -98,9 +100,11 @@ def worker(rank: int, world: int, port: int, variant: str, path: str, alias: str
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    import zeroshard
+
     keep_alive = None
     if variant == "zero3":
-        keep_alive = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+        keep_alive = HfDeepSpeedConfig(STAGE3)
         assert is_deepspeed_zero3_enabled()
     dist.barrier()
     before, before_anon = _rss()
@@ -110,12 +114,27 @@ def worker(rank: int, world: int, port: int, variant: str, path: str, alias: str
     seconds = time.perf_counter() - start
     sampler.stop()
     after, after_anon = _rss()
+    # Read every value once (a forward would): a plain load's memory-mapped pages become resident.
+    touch = PeakSampler().start()
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.ds_tensor if getattr(p, "ds_tensor", None) is not None else p).sum()
+    touch.stop()
+    touched, touched_anon = _rss()
+    # Then what training starts with: initialize at stage 3 (the engine's flats and shards).
+    init = PeakSampler().start()
+    engine, *_ = zeroshard.initialize(model=model, config=STAGE3)
+    init.stop()
+    engine_held, engine_anon = _rss()
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     largest = max(sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False))
                   for m in model.modules())
     queue.put({"variant": variant, "rank": rank, "peak": sampler.peak - before,
                "peak_anon": sampler.peak_anon - before_anon, "held": after - before,
-               "held_anon": after_anon - before_anon, "model_bytes": numel * 4,
+               "held_anon": after_anon - before_anon, "touched": touched - before,
+               "touched_anon": touched_anon - before_anon, "init_peak": init.peak - before,
+               "init_peak_anon": init.peak_anon - before_anon, "engine_anon": engine_anon - before_anon,
+               "model_bytes": numel * 4,
                "largest_module_bytes": largest * 4, "seconds": seconds})
     del keep_alive
     dist.barrier()
@@ -170,11 +189,15 @@ def main() -> None:
     print(f"model: {first['model_bytes'] / MIB:.1f} MiB in fp32 (largest module "
           f"{first['largest_module_bytes'] / MIB:.1f} MiB); world size {args.world_size}; "
           "MiB above the RSS before the load")
-    header = ("variant", "rank", "peak RSS", "peak anon", "held RSS", "held anon", "seconds")
-    print("{:<7} {:>4} {:>9} {:>10} {:>9} {:>10} {:>8}".format(*header))
+    columns = [("peak", "load: peak RSS"), ("peak_anon", "peak anon"), ("held", "held RSS"),
+               ("held_anon", "held anon"), ("touched", "read: RSS"), ("touched_anon", "anon"),
+               ("init_peak_anon", "initialize: peak anon"), ("engine_anon", "engine anon")]
+    print(f"{'variant':<7} {'rank':>4} " + " ".join(f"{title:>{max(9, len(title))}}" for _, title in columns)
+          + f" {'load s':>7}")
     for row in rows:
-        print(f"{row['variant']:<7} {row['rank']:>4} {row['peak'] / MIB:>9.1f} {row['peak_anon'] / MIB:>10.1f}"
-              f" {row['held'] / MIB:>9.1f} {row['held_anon'] / MIB:>10.1f} {row['seconds']:>8.2f}")
+        print(f"{row['variant']:<7} {row['rank']:>4} "
+              + " ".join(f"{row[key] / MIB:>{max(9, len(title))}.1f}" for key, title in columns)
+              + f" {row['seconds']:>7.2f}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "hf_zero3_load.json"
     out.write_text(json.dumps({"world_size": args.world_size, "hidden": args.hidden, "layers": args.layers,

@@ -24,6 +24,7 @@ from zeroshard.comm import faults
 from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
 from zeroshard.engine.hf_compat import HFCompat
+from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.monitor.attach import build_monitoring
@@ -125,6 +126,7 @@ class Engine(HFCompat, EngineAPI):
             self.module, config, self.device, self.global_rank, self.optimizer, fp16=plan.mode == "fp16"
         )
         self.timers = self.figures.timers
+        attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
