@@ -21,22 +21,19 @@ import math
 import pytest
 import torch
 
-from tests.dist.hf.alias_pool import alias_pool
-
 TIMEOUT_S = 300
 CASES = [("untied", False, "float32"), ("tied", True, "float32"), ("bf16", False, "bfloat16")]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    with alias_pool(2, tmp_path_factory.mktemp("alias")) as (pool, alias):
-        directory = str(tmp_path_factory.mktemp("checkpoints"))
-        return {
-            "hf": pool.run("tests.dist.scenarios.hf_zero3_load:load_cases", alias, directory, CASES,
-                           timeout=TIMEOUT_S),
-            "trainer": pool.run("tests.dist.scenarios.hf_zero3_load:trainer_config_load", alias, directory,
-                                timeout=TIMEOUT_S),
-        }
+def runs(hf_pool, tmp_path_factory):
+    pool, alias = hf_pool
+    directory = str(tmp_path_factory.mktemp("checkpoints"))
+    return {
+        "hf": pool.run("tests.dist.scenarios.hf_zero3_load:load_cases", alias, directory, CASES, timeout=TIMEOUT_S),
+        "trainer": pool.run("tests.dist.scenarios.hf_zero3_load:trainer_config_load", alias, directory,
+                            timeout=TIMEOUT_S),
+    }
 
 
 def _check_partitioned_and_equal(rank: int, label: str, out: dict) -> None:
@@ -81,3 +78,34 @@ def test_trainer_config_load_is_partitioned_and_exact(runs) -> None:
                                      "stage3_prefetch_bucket_size"], out["autos_left"]
         _check_partitioned_and_equal(rank, "trainer", out)
         assert out["peak_full_numel"] > 0
+
+
+@pytest.fixture(scope="module")
+def built(hf_pool):
+    pool, alias = hf_pool
+    return pool.run("tests.dist.scenarios.hf_zero3_load:from_config_and_resize", alias, timeout=TIMEOUT_S)
+
+
+def test_from_config_under_zero3_is_partitioned_and_initialised(built) -> None:
+    """No checkpoint to compare with: rank 0's initialisation must reach every rank (the same
+    values on both), and be the config's (normal, std initializer_range = 0.02, for the linear
+    and embedding weights: 20% covers the sampling error of >= 2048 draws; norms are ones)."""
+    ranks = [out["values"] for out in built]
+    assert all(out["partitioned"] for out in built)
+    for name, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][name]), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(value, torch.ones_like(value)), name
+        else:
+            assert abs(float(value.std()) - 0.02) < 0.004, (name, float(value.std()))
+
+
+def test_resize_token_embeddings_under_zero3(built) -> None:
+    """transformers builds the new embedding and head whole, outside zero.Init (modeling_utils.py
+    `_get_resized_embeddings`), as with DeepSpeed; the old rows come from the gathered old ones."""
+    for out in built:
+        assert out["resized_whole"]
+        for key, old_name in (("embed", "model.embed_tokens.weight"), ("head", "lm_head.weight")):
+            resized, old = out["resized"][key], out["values"][old_name]
+            assert resized.shape[0] == out["new_vocab"]
+            assert torch.equal(resized[: out["vocab"]], old), f"{key}: the old rows are kept"

@@ -166,3 +166,33 @@ def trainer_config_load(alias_dir: str, directory: str) -> dict[str, Any]:
     del args
     result.update(reference=reference, peak_full_numel=watch.peak, autos_left=left)
     return result
+
+
+def from_config_and_resize(alias_dir: str) -> dict[str, Any]:
+    """The other ZeRO-3 paths of modeling_utils.py: `from_config` (built under zero.Init, then
+    `initialize_weights_zero3`: rank 0 initialises each module's gathered parameters,
+    `GatheredParameters(params, modifier_rank=0)` hands them to every rank) and
+    `resize_token_embeddings` (gathers the old embedding and head and copies them into new,
+    whole ones: transformers 5.23 builds those outside zero.Init on purpose, and `initialize`
+    partitions them later from the first rank's values, as DeepSpeed's does)."""
+    use_alias(alias_dir)
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep_alive = HfDeepSpeedConfig(STAGE3)
+    config = tiny_llama_config(initializer_range=0.02)
+    model = AutoModelForCausalLM.from_config(config)
+    partitioned = all(p.numel() == 0 and p.ds_tensor is not None for p in model.parameters())
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    vocab = config.vocab_size  # resize_token_embeddings updates the config
+    new_vocab = vocab + 8
+    model.resize_token_embeddings(new_vocab)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    resized_whole = embed.numel() == new_vocab * config.hidden_size and head.numel() == embed.numel()
+    with deepspeed.zero.GatheredParameters([embed, head]):
+        resized = {"embed": embed.detach().clone(), "head": head.detach().clone()}
+    del keep_alive
+    return {"partitioned": partitioned, "values": values, "resized": resized,
+            "resized_whole": resized_whole, "vocab": vocab, "new_vocab": new_vocab}
