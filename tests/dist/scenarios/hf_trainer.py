@@ -8,7 +8,7 @@ Trainer's own loop (`TrainingArguments(deepspeed=cfg_dict)`), and rank 0 writes 
 compares (tests/dist/engine/test_hf_trainer.py) to OUT.json:
 
 - `losses`: per-step losses of the same training without DeepSpeed (DDP) and with each stage
-  0-3, in fp32 and in bf16;
+  0-3, in fp32 and in bf16, and `trainer.evaluate()`'s loss after it;
 - `resume`: a stage-1 and a stage-3 run saved every 2 steps, then resumed
   (`resume_from_checkpoint=True`) from the step-2 checkpoint after the step-4 one is removed;
 - `save_model`: `trainer.save_model()` at stage 3, loaded back with `from_pretrained`, against
@@ -33,8 +33,8 @@ STEPS = 4
 class TokenDataset(Dataset):
     """Fixed random token sequences; labels = inputs (causal LM)."""
 
-    def __init__(self, n: int = 32, length: int = 16, vocab: int = 64) -> None:
-        generator = torch.Generator().manual_seed(1234)
+    def __init__(self, n: int = 32, length: int = 16, vocab: int = 64, seed: int = 1234) -> None:
+        generator = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, vocab, (n, length), generator=generator)
 
     def __len__(self) -> int:
@@ -88,20 +88,23 @@ def _reset_accelerate() -> None:
 
 
 def train(workdir: Path, name: str, deepspeed: dict | None, bf16: bool = False, save_steps: int | None = None,
-          resume: bool = False):
+          resume: bool = False, evaluate: bool = False):
     """One Trainer run; returns (trainer, per-step losses)."""
     from transformers import Trainer, TrainingArguments
 
     _reset_accelerate()
     args = TrainingArguments(
         output_dir=str(workdir / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        max_steps=STEPS, learning_rate=1e-3, weight_decay=0.01, logging_steps=1, use_cpu=True, bf16=bf16,
+        per_device_eval_batch_size=2, max_steps=STEPS, learning_rate=1e-3, weight_decay=0.01, logging_steps=1, use_cpu=True, bf16=bf16,
         deepspeed=deepspeed, report_to=[], seed=0, dataloader_drop_last=True,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
     )
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TokenDataset())
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(),
+                      eval_dataset=TokenDataset(n=8, seed=99))
     trainer.train(resume_from_checkpoint=True if resume else None)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    if evaluate:  # the Trainer's evaluation loop on the trained engine (prediction_step, gathers at stage 3)
+        losses["eval"] = trainer.evaluate()["eval_loss"]
     return trainer, losses
 
 
@@ -109,9 +112,11 @@ def group_losses(workdir: Path) -> dict:
     out = {}
     for precision in ("fp32", "bf16"):
         bf16 = precision == "bf16"
-        out[f"ddp_{precision}"] = train(workdir, f"ddp_{precision}", None, bf16)[1]
+        out[f"ddp_{precision}"] = train(workdir, f"ddp_{precision}", None, bf16, evaluate=True)[1]
         for stage in range(4):
-            out[f"stage{stage}_{precision}"] = train(workdir, f"s{stage}_{precision}", ds_config(stage), bf16)[1]
+            out[f"stage{stage}_{precision}"] = train(
+                workdir, f"s{stage}_{precision}", ds_config(stage), bf16, evaluate=True
+            )[1]
     return out
 
 
