@@ -12,7 +12,9 @@ compares (tests/dist/engine/test_hf_trainer.py) to OUT.json:
 - `resume`: a stage-1 and a stage-3 run saved every 2 steps, then resumed
   (`resume_from_checkpoint=True`) from the step-2 checkpoint after the step-4 one is removed;
 - `save_model`: `trainer.save_model()` at stage 3, loaded back with `from_pretrained`, against
-  the weights the engine holds, gathered with `GatheredParameters`.
+  the weights the engine holds, gathered with `GatheredParameters`;
+- `other`: `evaluate()` before training at stage 3 (ZeRO inference) against the plain model,
+  `save_model` without `stage3_gather_16bit_weights_on_model_save`, `load_best_model_at_end`.
 """
 
 from __future__ import annotations
@@ -77,14 +79,21 @@ def ds_config(stage: int, scheduler: bool = False) -> dict:
     return config
 
 
+_LAUNCH_ENV = dict(os.environ)
+
+
 def _reset_accelerate() -> None:
     """One Trainer after another in one process: Accelerate keeps one AcceleratorState (and
-    transformers one ZeRO-3 config) per process, as a script with one Trainer would."""
+    transformers one ZeRO-3 config) per process, as a script with one Trainer would, and an
+    Accelerator with DeepSpeed leaves ACCELERATE_USE_DEEPSPEED=true in the environment, which
+    would turn the next TrainingArguments without `deepspeed=` into a DeepSpeed run."""
     from accelerate.state import AcceleratorState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     AcceleratorState._reset_state(reset_partial_state=False)
     unset_hf_deepspeed_config()
+    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n not in _LAUNCH_ENV]:
+        del os.environ[name]
 
 
 def train(workdir: Path, name: str, deepspeed: dict | None, bf16: bool = False, save_steps: int | None = None,
@@ -105,6 +114,7 @@ def train(workdir: Path, name: str, deepspeed: dict | None, bf16: bool = False, 
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     if evaluate:  # the Trainer's evaluation loop on the trained engine (prediction_step, gathers at stage 3)
         losses["eval"] = trainer.evaluate()["eval_loss"]
+    losses["wrapper"] = type(trainer.model_wrapped).__name__
     return trainer, losses
 
 
@@ -168,7 +178,44 @@ def group_save_model(workdir: Path) -> dict:
     return out
 
 
-GROUPS = {"losses": group_losses, "resume": group_resume, "save_model": group_save_model}
+def group_other(workdir: Path) -> dict:
+    """ZeRO inference (evaluate before training), save_model without gathering, and
+    load_best_model_at_end (deepspeed_load_checkpoint of the best checkpoint)."""
+    from transformers import Trainer, TrainingArguments
+
+    out = {}
+    evaluation = TokenDataset(n=8, seed=99)
+    for name, deepspeed in (("plain", None), ("inference", ds_config(3))):
+        _reset_accelerate()
+        args = TrainingArguments(output_dir=str(workdir / name), per_device_eval_batch_size=2, use_cpu=True,
+                                 deepspeed=deepspeed, report_to=[], dataloader_drop_last=True)
+        trainer = Trainer(model=tiny_llama(), args=args, eval_dataset=evaluation)
+        out[f"{name}_eval_loss"] = trainer.evaluate()["eval_loss"]
+        out[f"{name}_wrapper"] = type(trainer.model_wrapped).__name__
+
+    config = ds_config(3)
+    del config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+    trainer, _ = train(workdir, "nogather", config)
+    trainer.save_model(str(workdir / "nogather" / "final"))
+    out["nogather_files"] = sorted(p.name for p in (workdir / "nogather" / "final").iterdir())
+
+    _reset_accelerate()
+    args = TrainingArguments(
+        output_dir=str(workdir / "best"), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        max_steps=STEPS, learning_rate=1e-3, use_cpu=True, deepspeed=ds_config(2), report_to=[],
+        dataloader_drop_last=True, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=True, seed=0,
+    )
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), eval_dataset=evaluation)
+    trainer.train()
+    out["best_checkpoint"] = trainer.state.best_model_checkpoint
+    out["best_metric"] = trainer.state.best_metric
+    out["eval_history"] = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    out["eval_after_best"] = trainer.evaluate()["eval_loss"]
+    return out
+
+
+GROUPS = {"losses": group_losses, "resume": group_resume, "save_model": group_save_model, "other": group_other}
 
 
 def main() -> None:
