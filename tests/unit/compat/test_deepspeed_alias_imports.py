@@ -10,7 +10,8 @@ internals (`partition_parameters.zero_wrapper_for_fp_tensor_constructor`, `_orig
 `deepspeed.zero.register_external_parameter` (the speech models' `modeling_*.py`) belong to the
 `from_pretrained` under ZeRO-3 work and are not checked here.
 
-One subprocess (the alias changes sys.modules and sys.meta_path) checks the whole list.
+One subprocess (the alias changes sys.modules and sys.meta_path) checks the whole list, and that
+transformers and Accelerate detect DeepSpeed through the alias and read its version as 0.19.8.
 """
 
 from __future__ import annotations
@@ -127,6 +128,14 @@ for dotted, where, why in not_provided:
 doubles = [n for n, m in sys.modules.items() if n.startswith("deepspeed.")
            and m is not sys.modules.get("zeroshard" + n[len("deepspeed"):])]
 problems += [f"{n}: a second copy of a zeroshard module" for n in doubles]
+# How the integrations detect DeepSpeed (find_spec, then the installed version).
+from accelerate.utils import compare_versions, is_deepspeed_available as accelerate_has_deepspeed
+from transformers.integrations.deepspeed import is_deepspeed_available as transformers_has_deepspeed
+if not (accelerate_has_deepspeed() and transformers_has_deepspeed()):
+    problems.append("transformers or accelerate does not find deepspeed")
+for minimum in ("0.9.3", "0.14.4", "0.16.4", "0.18.2", "0.19.8"):  # accelerate/accelerator.py's checks
+    if not compare_versions("deepspeed", ">=", minimum):
+        problems.append(f"accelerate reads the alias's version as below {minimum}")
 print(json.dumps(problems))
 """
 
