@@ -108,3 +108,12 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(runs: dict) -> None
     assert other["eval_history"]["4"] != other["best_metric"] == other["eval_history"]["2"]
     # evaluating the reloaded engine gives the best checkpoint's recorded loss: its weights are back
     assert other["eval_after_best"] == other["best_metric"]
+
+
+def test_torch_compile_runs_eagerly_with_the_same_losses(runs: dict) -> None:
+    # TrainingArguments(torch_compile=True): Accelerate calls engine.compile(backend, compile_kwargs);
+    # zeroshard accepts it and keeps the module eager, so the run is the stage-2 run, bit for bit.
+    other = runs["rank0"]["other"]
+    assert other["is_compiled"] is False
+    eager = {k: v for k, v in runs["rank0"]["losses"]["stage2_fp32"].items() if k != "eval"}
+    assert other["compiled_losses"] == eager

@@ -97,7 +97,7 @@ def _reset_accelerate() -> None:
 
 
 def train(workdir: Path, name: str, deepspeed: dict | None, bf16: bool = False, save_steps: int | None = None,
-          resume: bool = False, evaluate: bool = False):
+          resume: bool = False, evaluate: bool = False, torch_compile: bool = False):
     """One Trainer run; returns (trainer, per-step losses)."""
     from transformers import Trainer, TrainingArguments
 
@@ -106,7 +106,7 @@ def train(workdir: Path, name: str, deepspeed: dict | None, bf16: bool = False, 
         output_dir=str(workdir / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         per_device_eval_batch_size=2, max_steps=STEPS, learning_rate=1e-3, weight_decay=0.01, logging_steps=1, use_cpu=True, bf16=bf16,
         deepspeed=deepspeed, report_to=[], seed=0, dataloader_drop_last=True,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, torch_compile=torch_compile,
     )
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(),
                       eval_dataset=TokenDataset(n=8, seed=99))
@@ -192,6 +192,10 @@ def group_other(workdir: Path) -> dict:
         trainer = Trainer(model=tiny_llama(), args=args, eval_dataset=evaluation)
         out[f"{name}_eval_loss"] = trainer.evaluate()["eval_loss"]
         out[f"{name}_wrapper"] = type(trainer.model_wrapped).__name__
+
+    # torch_compile=True: Accelerate calls engine.compile(backend=..., compile_kwargs=...), which runs eagerly
+    trainer, out["compiled_losses"] = train(workdir, "compiled", ds_config(2), torch_compile=True)
+    out["is_compiled"] = trainer.model_wrapped.is_compiled
 
     config = ds_config(3)
     del config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
