@@ -71,6 +71,9 @@ def test_resume_from_checkpoint_continues_the_same_run(runs: dict, stage: int) -
     # equal to the uninterrupted run (same arithmetic, CPU is deterministic).
     assert run["resumed"] == run["whole"]
     assert run["global_steps"] == 4
+    # deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint(model, "checkpoint-4") gives
+    # the engine's final weights exactly (fp32: the masters are the weights)
+    assert run["fp32_from_checkpoint"] == 0.0
 
 
 def test_save_model_at_stage3_loads_exactly(runs: dict) -> None:

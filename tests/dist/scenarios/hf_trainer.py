@@ -142,8 +142,27 @@ def group_resume(workdir: Path) -> dict:
         torch.distributed.barrier()
         trainer, resumed = train(workdir, name, ds_config(stage, scheduler=True), save_steps=2, resume=True)
         out[f"stage{stage}"] = {"whole": whole, "resumed": resumed, "checkpoint_files": found,
-                                "global_steps": trainer.model_wrapped.global_steps}
+                                "global_steps": trainer.model_wrapped.global_steps,
+                                "fp32_from_checkpoint": _fp32_from_checkpoint(trainer, workdir / name / f"checkpoint-{STEPS}")}
     return out
+
+
+def _fp32_from_checkpoint(trainer, checkpoint: Path) -> float | None:
+    """DeepSpeed's recovery path for a Trainer checkpoint (`zero_to_fp32`): the largest difference
+    between `load_state_dict_from_zero_checkpoint(model, checkpoint-N)` and the engine's weights
+    gathered parameter by parameter (fp32 run: the weights are the masters). Rank 0's; None elsewhere."""
+    import zeroshard
+    from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+
+    expected = {}
+    for name, p in trainer.model_wrapped.module.named_parameters():
+        with zeroshard.zero.GatheredParameters([p]):
+            expected[name] = p.detach().clone()
+    if int(os.environ["RANK"]) != 0:
+        return None
+    model = load_state_dict_from_zero_checkpoint(tiny_llama(), str(checkpoint))
+    loaded = dict(model.named_parameters())
+    return max(float((loaded[name].detach() - value).abs().max()) for name, value in expected.items())
 
 
 def group_save_model(workdir: Path) -> dict:
