@@ -25,10 +25,13 @@ from zeroshard.sharding.tensor_fragment import (
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
+from zeroshard.utils import logging, zero_to_fp32
 
 # (`z3_leaf_module` is the function here, as in DeepSpeed, not the submodule of that name.)
 __all__ = [
     "groups",
+    "logging",
+    "zero_to_fp32",
     "logger",
     "log_dist",
     "safe_get_full_fp32_param",

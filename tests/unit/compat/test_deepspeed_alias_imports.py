@@ -10,7 +10,8 @@ internals (`partition_parameters.zero_wrapper_for_fp_tensor_constructor`, `_orig
 `deepspeed.zero.register_external_parameter` (the speech models' `modeling_*.py`) belong to the
 `from_pretrained` under ZeRO-3 work and are not checked here.
 
-One subprocess (the alias changes sys.modules and sys.meta_path) checks the whole list.
+One subprocess (the alias changes sys.modules and sys.meta_path) checks the whole list, and that
+transformers and Accelerate detect DeepSpeed through the alias and read its version as 0.19.8.
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ IMPORTS = [
     ("deepspeed.ops.adagrad", ["DeepSpeedCPUAdagrad"], "accelerate/utils/deepspeed.py:79"),
 ]
 
+# Dotted names read as attributes after a bare `import deepspeed` (no import of the submodule):
+# (name, where found). DeepSpeed's `import deepspeed` imports these submodules along the way.
+ATTRIBUTE_READS = [
+    ("deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES", "accelerate/accelerator.py:2246"),
+    ("deepspeed.zero.Init", "transformers/modeling_utils.py:1446"),
+    ("deepspeed.zero.GatheredParameters", "transformers/modeling_utils.py:4911"),
+    ("deepspeed.comm.get_rank", "transformers/integrations/deepspeed.py:327"),
+    ("deepspeed.initialize", "accelerate/accelerator.py:2144"),
+    ("deepspeed.__version__", "transformers/cli/system.py:108"),
+    ("deepspeed.runtime.zero.GatheredParameters", "accelerate/utils/operations.py:975"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine", "accelerate/utils/deepspeed.py:255"),
+]
+
 # (path, where found, why zeroshard refuses it): the import raises ModuleNotFoundError naming
 # the path and what to do instead.
 REFUSED = [
@@ -76,9 +90,17 @@ NOT_PROVIDED = [
 
 _CHECK = """
 import importlib, json, sys
-import zeroshard
-imports, refused, not_provided = json.loads(sys.argv[1])
+import deepspeed
+imports, refused, not_provided, attribute_reads = json.loads(sys.argv[1])
 problems = []
+for dotted, where in attribute_reads:  # first, before anything below imports a submodule
+    obj = deepspeed
+    try:
+        for part in dotted.split(".")[1:]:
+            obj = getattr(obj, part)
+    except AttributeError as exc:
+        problems.append(f"{dotted} ({where}), read as an attribute: {exc}")
+import zeroshard
 for path, names, where in imports:
     try:
         module = importlib.import_module(path)
@@ -106,6 +128,14 @@ for dotted, where, why in not_provided:
 doubles = [n for n, m in sys.modules.items() if n.startswith("deepspeed.")
            and m is not sys.modules.get("zeroshard" + n[len("deepspeed"):])]
 problems += [f"{n}: a second copy of a zeroshard module" for n in doubles]
+# How the integrations detect DeepSpeed (find_spec, then the installed version).
+from accelerate.utils import compare_versions, is_deepspeed_available as accelerate_has_deepspeed
+from transformers.integrations.deepspeed import is_deepspeed_available as transformers_has_deepspeed
+if not (accelerate_has_deepspeed() and transformers_has_deepspeed()):
+    problems.append("transformers or accelerate does not find deepspeed")
+for minimum in ("0.9.3", "0.14.4", "0.16.4", "0.18.2", "0.19.8"):  # accelerate/accelerator.py's checks
+    if not compare_versions("deepspeed", ">=", minimum):
+        problems.append(f"accelerate reads the alias's version as below {minimum}")
 print(json.dumps(problems))
 """
 
@@ -120,7 +150,7 @@ def alias_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_integration_import_resolves_to_zeroshard(alias_dir: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(alias_dir), str(REPO)]))
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_CHECK), json.dumps([IMPORTS, REFUSED, NOT_PROVIDED])],
+        [sys.executable, "-c", textwrap.dedent(_CHECK), json.dumps([IMPORTS, REFUSED, NOT_PROVIDED, ATTRIBUTE_READS])],
         env=env, capture_output=True, text=True, timeout=180, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
@@ -130,7 +160,8 @@ def test_every_integration_import_resolves_to_zeroshard(alias_dir: Path) -> None
 
 def test_the_list_names_where_each_was_found() -> None:
     site = Path(sys.modules["pytest"].__file__).parents[1]  # site-packages of this environment
-    for path, _, where in IMPORTS + [(p, [], w) for p, w, _ in REFUSED]:
+    reads = [(d.rsplit(".", 1)[0], [], w) for d, w in ATTRIBUTE_READS]
+    for path, _, where in IMPORTS + [(p, [], w) for p, w, _ in REFUSED] + reads:
         if where.startswith("issue"):
             continue
         first = where.split(",")[0]

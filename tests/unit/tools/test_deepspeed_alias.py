@@ -150,35 +150,41 @@ def test_pip_uninstall_deepspeed_removes_the_alias(tmp_path: Path) -> None:
     assert VERSION.endswith("+zeroshard")
 
 
-def test_the_migration_guides_commands_print_what_it_says(tmp_path: Path) -> None:
+def test_the_migration_guides_commands_print_what_it_says(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The transcript under "The `deepspeed` alias" (docs/migrating-from-deepspeed.md), run with
-    `--target` a temporary folder (never this environment's site-packages) on PYTHONPATH;
-    `...` in an expected line stands for any text."""
+    `--target` a temporary folder (never this environment's site-packages): the `zeroshard` lines
+    in this process, the `python -c` lines one after another in one fresh interpreter with the
+    folder on PYTHONPATH; `...` in an expected line stands for any text."""
     import re
     import shlex
 
     page = (REPO / "docs" / "migrating-from-deepspeed.md").read_text(encoding="utf-8")
     section = page.split("## The `deepspeed` alias", 1)[1]
     block = re.search(r"^```shell\n(.*?)^```", section, re.S | re.M).group(1)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
-    commands = 0
-    output: list[str] = []
-    expected: list[str] = []
+    steps: list[tuple[list[str], list[str]]] = []  # (argv, expected lines)
     for line in block.splitlines():
-        if not line.startswith("$ "):
-            expected.append(line)
-            continue
-        argv = shlex.split(line[2:])
-        if argv[0] == "zeroshard":
-            argv = [sys.executable, "-m", "zeroshard", *argv[1:], "--target", str(tmp_path)]
+        if line.startswith("$ "):
+            steps.append((shlex.split(line[2:]), []))
         else:
-            assert argv[0] == "python", line
-            argv[0] = sys.executable
-        result = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, f"{line}: {result.stderr}"
-        output += result.stdout.splitlines()
-        commands += 1
-    assert commands == 4 and len(output) == len(expected), (output, expected)
-    for got, want in zip(output, expected, strict=True):
-        assert re.fullmatch(".*".join(map(re.escape, want.split("..."))), got), (got, want)
+            steps[-1][1].append(line)
+    assert [argv[0] for argv, _ in steps] == ["zeroshard", "python", "python", "zeroshard"]
+
+    def check(printed: str, expected: list[str]) -> None:
+        lines = printed.splitlines()
+        assert len(lines) == len(expected), (lines, expected)
+        for got, want in zip(lines, expected, strict=True):
+            assert re.fullmatch(".*".join(map(re.escape, want.split("..."))), got), (got, want)
+
+    (install_argv, install_out), *python_steps, (uninstall_argv, uninstall_out) = steps
+    assert main([*install_argv[1:], "--target", str(tmp_path)]) == 0
+    check(capsys.readouterr().out, install_out)
+    codes = [argv[2] for argv, _ in python_steps]
+    runner = "import sys\nfor code in sys.argv[1:]:\n    exec(code, {})\n    print('\\0', flush=True)\n"
+    result = _python(runner.replace("sys.argv[1:]", repr(codes)), tmp_path, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    outputs = result.stdout.split("\0\n")[:-1]
+    for printed, (_, expected) in zip(outputs, python_steps, strict=True):
+        check(printed, expected)
+    assert main([*uninstall_argv[1:], "--target", str(tmp_path)]) == 0
+    check(capsys.readouterr().out, uninstall_out)
     assert list(tmp_path.iterdir()) == []  # the last command removed what the first installed
