@@ -31,7 +31,7 @@ def use_alias(alias_dir: str) -> None:
 
     import zeroshard
 
-    if deepspeed.zero is not zeroshard.zero or "+zeroshard" not in importlib.metadata.version("deepspeed"):
+    if deepspeed is not zeroshard or "+zeroshard" not in importlib.metadata.version("deepspeed"):
         raise RuntimeError(f"`import deepspeed` gave {deepspeed!r}, not the zeroshard alias in {alias_dir}.")
 
 
