@@ -10,8 +10,10 @@ internals (`partition_parameters.zero_wrapper_for_fp_tensor_constructor`, `_orig
 `deepspeed.zero.register_external_parameter` (the speech models' `modeling_*.py`) belong to the
 `from_pretrained` under ZeRO-3 work and are not checked here.
 
-One subprocess (the alias changes sys.modules and sys.meta_path) checks the whole list, and that
-transformers and Accelerate detect DeepSpeed through the alias and read its version as 0.19.8.
+One subprocess (the alias changes sys.modules and sys.meta_path) checks what `import deepspeed`
+gives (find_spec, the installed version, the zeroshard module with its own spec), the whole list,
+that no zeroshard module is loaded a second time under the deepspeed name, and that transformers
+and Accelerate detect DeepSpeed through the alias and read its version as 0.19.8.
 """
 
 from __future__ import annotations
@@ -89,10 +91,18 @@ NOT_PROVIDED = [
 ]
 
 _CHECK = """
-import importlib, json, sys
-import deepspeed
-imports, refused, not_provided, attribute_reads = json.loads(sys.argv[1])
+import importlib, importlib.metadata, importlib.util, json, sys
 problems = []
+spec = importlib.util.find_spec("deepspeed")  # before the import: the alias package on sys.path
+if spec is None or not spec.origin.endswith("deepspeed/__init__.py"):
+    problems.append(f"find_spec('deepspeed') before the import: {spec}")
+if importlib.metadata.version("deepspeed") != "0.19.8+zeroshard":
+    problems.append("version " + importlib.metadata.version("deepspeed"))
+import deepspeed
+import zeroshard as _zeroshard
+if deepspeed is not _zeroshard or deepspeed.__spec__.name != "zeroshard" or not importlib.util.find_spec("deepspeed"):
+    problems.append("import deepspeed is not the zeroshard module with its own spec")
+imports, refused, not_provided, attribute_reads = json.loads(sys.argv[1])
 for dotted, where in attribute_reads:  # first, before anything below imports a submodule
     obj = deepspeed
     try:
@@ -108,7 +118,7 @@ for path, names, where in imports:
         problems.append(f"{path} ({where}): {type(exc).__name__}: {exc}")
         continue
     twin = importlib.import_module("zeroshard" + path[len("deepspeed"):])
-    if module is not twin:
+    if module is not twin or module.__spec__.name != twin.__name__:  # the spec is the module's own
         problems.append(f"{path} is not {twin.__name__}")
     __import__(path, fromlist=names)  # `from path import name` also imports a submodule `name`
     for name in names:

@@ -2,8 +2,8 @@
 reinstall, uninstall, refuse a real DeepSpeed, and `pip uninstall deepspeed`.
 
 What `import deepspeed` then gives is checked in a fresh interpreter (the alias changes
-sys.modules and sys.meta_path, which this test process must not carry): one subprocess for the
-installer's files and the import semantics together.
+sys.modules and sys.meta_path, which this test process must not carry), together with the
+integrations' imports: tests/unit/compat/test_deepspeed_alias_imports.py.
 """
 
 from __future__ import annotations
@@ -95,40 +95,6 @@ def test_default_target_is_this_environments_site_packages() -> None:
     import sysconfig
 
     assert deepspeed_alias.default_target() == Path(sysconfig.get_paths()["purelib"])
-
-
-def test_import_deepspeed_is_zeroshard_through_the_alias(tmp_path: Path) -> None:
-    install(tmp_path)
-    result = _python(
-        """
-        import importlib, importlib.metadata, importlib.util, sys
-        spec = importlib.util.find_spec("deepspeed")
-        assert spec is not None and spec.origin.endswith("deepspeed/__init__.py"), spec
-        assert importlib.metadata.version("deepspeed") == "0.19.8+zeroshard"
-        import deepspeed, zeroshard
-        assert deepspeed is zeroshard and deepspeed.__spec__.name == "zeroshard"
-        assert importlib.util.find_spec("deepspeed") is not None
-        import deepspeed.comm as dist
-        import deepspeed.runtime.sequence_parallel.ulysses_sp as ds_sp
-        import zeroshard.comm, zeroshard.runtime.sequence_parallel.ulysses_sp as zs_sp
-        assert dist is zeroshard.comm and ds_sp is zs_sp
-        assert dist.__spec__.name == "zeroshard.comm" and ds_sp.__spec__.name == zs_sp.__name__
-        # one copy of every module: nothing was loaded a second time under the deepspeed name
-        doubles = [n for n, m in sys.modules.items() if n.startswith("deepspeed.")
-                   and m is not sys.modules["zeroshard" + n[len("deepspeed"):]]]
-        assert not doubles, doubles
-        try:
-            import deepspeed.ops.op_builder
-        except ModuleNotFoundError as exc:
-            assert exc.name == "deepspeed.ops.op_builder", exc.name
-            assert "zeroshard" in str(exc) and "does not provide deepspeed.ops.op_builder" in str(exc), exc
-        else:
-            raise AssertionError("deepspeed.ops.op_builder imported")
-        print("ok")
-        """,
-        tmp_path,
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
 def test_pip_uninstall_deepspeed_removes_the_alias(tmp_path: Path) -> None:
