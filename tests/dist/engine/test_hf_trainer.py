@@ -120,3 +120,13 @@ def test_torch_compile_runs_eagerly_with_the_same_losses(runs: dict) -> None:
     assert other["is_compiled"] is False
     eager = {k: v for k, v in runs["rank0"]["losses"]["stage2_fp32"].items() if k != "eval"}
     assert other["compiled_losses"] == eager
+
+
+def test_offload_swaps_the_trainers_adamw_for_deepspeed_cpu_adam(runs: dict) -> None:
+    # offload_optimizer and no optimizer section: the Trainer's torch AdamW becomes DeepSpeedCPUAdam
+    # (accelerate's map_pytorch_optim_to_deepspeed), the same update as the DDP run's AdamW
+    rank0 = runs["rank0"]
+    run, want = rank0["other"]["offload_adamw_torch"], rank0["losses"]["ddp_fp32"]
+    assert run["optimizer"] == "DeepSpeedCPUAdam" and run["losses"]["wrapper"] == "Engine"
+    for step in "1234":  # another reduction order: FP32_ATOL
+        assert abs(run["losses"][step] - want[step]) <= FP32_ATOL, (step, run["losses"][step], want[step])

@@ -216,6 +216,16 @@ def group_other(workdir: Path) -> dict:
     trainer, out["compiled_losses"] = train(workdir, "compiled", ds_config(2), torch_compile=True)
     out["is_compiled"] = trainer.model_wrapped.is_compiled
 
+    # offload_optimizer with the Trainer's own torch optimizer: Accelerate swaps it for DeepSpeed's host
+    # optimizer of the same family (map_pytorch_optim_to_deepspeed)
+    offload = ds_config(2)
+    del offload["optimizer"]
+    offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    # (optim="adagrad" is not run: Accelerate passes adamw_mode= to DeepSpeedCPUAdagrad, whose DeepSpeed
+    # signature has no such argument, so it fails with DeepSpeed 0.19.8 as here; docs/hf-trainer.md)
+    trainer, losses = train(workdir, "offload_adamw_torch", offload)
+    out["offload_adamw_torch"] = {"losses": losses, "optimizer": type(trainer.model_wrapped.optimizer).__name__}
+
     config = ds_config(3)
     del config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
     trainer, _ = train(workdir, "nogather", config)
