@@ -326,14 +326,17 @@ class ZeroConfig(_Section):
     allgather_bucket_size: JsonInt = Field(500_000_000, ge=1)
     stage3_prefetch_bucket_size: JsonInt = Field(50_000_000, ge=0)
     stage3_param_persistence_threshold: JsonInt = Field(100_000, ge=0)
+    # Stage 3's memory caps (zeroshard/sharding/schedule.py). The reuse distance defaults to 0
+    # (free every unit after each use, as FSDP2 does) where DeepSpeed's is 1e9: a written value
+    # gets DeepSpeed's behaviour (docs/migrating-from-deepspeed.md).
+    stage3_max_live_parameters: JsonInt = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: JsonInt = Field(0, ge=0)
     # Accepted, no effect.
     overlap_comm: bool | None = None
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
     allgather_partitions: bool = True
     use_multi_rank_bucket_allreduce: bool = True
-    stage3_max_live_parameters: JsonInt = Field(1_000_000_000, ge=0)
-    stage3_max_reuse_distance: JsonInt = Field(1_000_000_000, ge=0)
     stage3_model_persistence_threshold: JsonInt = Field(2**63 - 1, ge=0)
     stage3_module_granularity_threshold: JsonInt = 0
     stage3_use_all_reduce_for_fetch_params: bool = False
@@ -364,8 +367,8 @@ class ZeroConfig(_Section):
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
         {
             "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-            "use_multi_rank_bucket_allreduce", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-            "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
+            "use_multi_rank_bucket_allreduce", "stage3_model_persistence_threshold",
+            "stage3_module_granularity_threshold",
             "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
             "stage3_partition_stream_chunk_size", "stage3_gather_16bit_weights_on_model_save",
             "stage3_gather_fp16_weights_on_model_save", "sub_group_size", "load_from_fp32_weights",
