@@ -155,13 +155,31 @@ def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[collectives.Group, c
     return sequence, data
 
 
+# DeepSpeed's top-level names that zeroshard keeps elsewhere, imported on first use so that
+# `import zeroshard` stays light: name -> (module, attribute).
+_LAZY_NAMES = {
+    "DeepSpeedEngine": ("zeroshard.engine.engine", "Engine"),  # the engine class, for isinstance
+    "logger": ("zeroshard.monitor.log", "logger"),
+    "log_dist": ("zeroshard.monitor.log", "log_dist"),
+}
+
+
 def __getattr__(name: str):
+    import importlib
+
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"):
         from zeroshard.sharding import tensor_fragment  # the functions zeroshard.utils exports
 
         return getattr(tensor_fragment, name)
-    if name == "zero":
-        import importlib
-
-        return importlib.import_module(".zero", __name__)
-    raise AttributeError(name)
+    if name in _LAZY_NAMES:
+        module, attribute = _LAZY_NAMES[name]
+        return getattr(importlib.import_module(module), attribute)
+    if not name.startswith("_"):
+        # DeepSpeed's package has its subpackages as attributes (`deepspeed.utils.safe_get_full_grad`
+        # right after `import deepspeed`); here each is imported when first read (issue 30, item 3).
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # the subpackage exists but something it imports is missing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -86,6 +86,9 @@ def test_console_transcript_prints_what_the_page_says(body, tmp_path, monkeypatc
         command, echo_status = re.subn(r';\s*echo "exit \$\?"$', "", command)
         argv = shlex.split(command)
         assert argv[0] == "zeroshard", f"a transcript runs zeroshard or echo, not {command!r}"
+        # It would install into this test environment's site-packages: such a block is a `shell` one,
+        # run by tests/unit/tools/test_deepspeed_alias.py with --target.
+        assert argv[1:2] != ["install-deepspeed-alias"] or "--target" in argv, command
         printed, status = _run_zeroshard(argv[1:], capsys)
         output += printed + (f"exit {status}\n" if echo_status else "")
     actual = _collapse(output)

@@ -196,8 +196,10 @@ def test_auto_must_be_resolved_before_initialize(raw, path):
     with pytest.raises(ConfigError) as info:
         resolve_config(raw)
     assert info.value.problems == [
-        f'{path}="auto": "auto" is a placeholder that the Hugging Face integration fills in; zeroshard does not. '
-        "Resolve it to a concrete value before initialize."
+        f'{path}="auto": "auto" is a placeholder that the Hugging Face Trainer and Accelerate fill in before they '
+        "call initialize; zeroshard does not. Pass this config to the Trainer (TrainingArguments(deepspeed=...)) or "
+        "`accelerate launch` (with the `deepspeed` alias: `zeroshard install-deepspeed-alias`), or write a concrete "
+        "value."
     ]
 
 
