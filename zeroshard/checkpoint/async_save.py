@@ -51,7 +51,7 @@ import torch
 
 from zeroshard.checkpoint.files import remove_entry, write_text_atomic
 from zeroshard.checkpoint.format import CheckpointError, read_utf8
-from zeroshard.checkpoint.sync import agree, all_gather_object, describe
+from zeroshard.checkpoint.sync import all_gather_object, describe
 from zeroshard.checkpoint.write import UNFINISHED, Rank0State, publish, write_rank0_files, write_rank_file
 from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 
@@ -254,14 +254,21 @@ def wait_for_checkpoint(what: str = "wait_for_checkpoint()") -> None:
         job.thread.join()
     # Rank 0's writer may be waiting for the marker of a rank whose writer failed without
     # writing one; the other ranks' outcomes tell it to stop.
-    outcomes = all_gather_object(None if job.rank == 0 or job.error is None else describe(job.error))
+    outcomes = all_gather_object(None if job.rank == 0 or job.error is None else str(job.error))
     failed = {rank: message for rank, message in enumerate(outcomes) if message is not None}
     if job.rank == 0:
         if failed:
             job.abort_reason = "; ".join(f"rank {rank}'s writer failed: {message}" for rank, message in failed.items())
             job.abort.set()
         job.thread.join()
-    agree(job.error, f"{job.name} (waited for by {what})")
+    outcomes = all_gather_object(None if job.error is None else str(job.error))
+    failed = {rank: message for rank, message in enumerate(outcomes) if message is not None}
+    if failed:
+        details = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
+        raise CheckpointError(
+            f"{job.name} failed on rank(s) {sorted(failed)} (found by {what}): {details}. The checkpoint "
+            "was not published; `latest` names the previous one."
+        ) from job.error
 
 
 @atexit.register
