@@ -3,8 +3,8 @@
 [Note: asynchronous saves]
 `save_checkpoint` with `checkpoint.writer.decoupled` (or `async_save=True`) does its collective
 part in the caller's thread, as a synchronous save does: agree on the tag, create the
-temporary directory, copy every rank's shards to host memory (pinned host memory for
-tensors on a GPU, reused from save to save), gather what the index needs. Then it returns,
+temporary directory, copy every rank's shards to host memory (pinned for tensors on a GPU;
+the buffers are kept and reused by the next save), gather what the index needs. Then it returns,
 and one writer thread per rank writes the files:
 
 - every rank writes and fsyncs its `rank_<r>.safetensors`, then announces it with a
@@ -84,34 +84,37 @@ def decoupled(engine: Any) -> bool:
 
 # ------------------------------------------------------------------------ host copies
 
-# Pinned host buffers of the last asynchronous save, reused by the next one (pinning memory
-# is slow); only touched between saves, when no writer is running.
-_PINNED: list[torch.Tensor] = []
+# Host buffers of the last asynchronous save, reused by the next one: a fresh allocation of
+# the size of a shard costs page faults on every save (pinning, for GPU tensors, is slower
+# still). Only touched between saves, when no writer is running (each save waits first).
+_HOST_BUFFERS: list[torch.Tensor] = []
 
 
 class _HostCopy:
-    """`to_host` for `save.rank_tensors`: a copy that training cannot change. Tensors on a GPU
-    go to pinned host buffers without blocking; `finish()` waits for those copies."""
+    """`to_host` for `save.rank_tensors`: a copy in host memory that training cannot change.
+    Tensors on a GPU go to pinned buffers without blocking; `finish()` waits for those copies."""
 
     def __init__(self) -> None:
         self.used = 0
         self.streams: set[Any] = set()
 
+    def _buffer(self, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+        kept = _HOST_BUFFERS[self.used] if self.used < len(_HOST_BUFFERS) else None
+        if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype or kept.is_pinned() != pin:
+            kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            if self.used < len(_HOST_BUFFERS):
+                _HOST_BUFFERS[self.used] = kept
+            else:
+                _HOST_BUFFERS.append(kept)
+        self.used += 1
+        return kept
+
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "cpu":
-            return tensor.clone(memory_format=torch.contiguous_format)
+            return self._buffer(tensor, pin=False).copy_(tensor)
         if tensor.device.type != "cuda":
             return tensor.to("cpu", copy=True)
-        kept = _PINNED[self.used] if self.used < len(_PINNED) else None
-        if kept is not None and kept.shape == tensor.shape and kept.dtype == tensor.dtype:
-            buffer = kept
-        else:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            if self.used < len(_PINNED):
-                _PINNED[self.used] = buffer
-            else:
-                _PINNED.append(buffer)
-        self.used += 1
+        buffer = self._buffer(tensor, pin=True)
         buffer.copy_(tensor, non_blocking=True)
         self.streams.add(torch.cuda.current_stream(tensor.device))
         return buffer
@@ -119,7 +122,7 @@ class _HostCopy:
     def finish(self) -> None:
         for stream in self.streams:
             stream.synchronize()
-        del _PINNED[self.used :]
+        del _HOST_BUFFERS[self.used :]
 
 
 def host_copy() -> _HostCopy:
@@ -191,7 +194,6 @@ def _run(job: WriteJob) -> None:
     try:
         _hook("start", job)
         own = write_rank_file(job.tmp, job.rank, job.tensors, job.metadata)
-        job.tensors = {}  # the host copies (not the pinned buffers) can go now
         _hook("rank_file", job)
         if job.rank != 0:
             write_text_atomic(done_marker(job.tmp, job.rank), json.dumps(own))
