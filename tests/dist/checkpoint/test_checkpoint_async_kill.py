@@ -8,6 +8,9 @@ of the write. Training goes on in every main thread. Once the victim's writer re
 is held, the test sends it SIGKILL, then stops the other ranks (as a launcher does), checks
 that `latest` still names "step2" and that "step3" was never published, and loads "step2" in
 fresh processes: the next loss equals the one recorded, bit for bit.
+
+Also here, as it needs a process of its own: a script that ends while its asynchronous save
+is being written exits only once the checkpoint is published.
 """
 
 from __future__ import annotations
@@ -114,5 +117,33 @@ def test_kill_during_async_save_keeps_previous_checkpoint(dist_pool, tmp_path, v
         assert result["losses"] == expected  # bit for bit
 
 
+def _exit_script(ckpt_dir: str) -> None:
+    """One process: an asynchronous save, then the script ends while the writer is still held."""
+    import zeroshard
+    from zeroshard.checkpoint import async_save
+
+    zeroshard.init_distributed()
+    engine = make_engine(STAGE, "bf16", seed=0)
+    train(engine, 0, 1)
+    async_save.WRITER_HOOK = lambda point, rank: time.sleep(1.0) if point == "start" else None
+    engine.save_checkpoint(ckpt_dir, tag="last", async_save=True)
+    print("returned before the files: " + str(not (Path(ckpt_dir) / "last").exists()), flush=True)
+
+
+def test_interpreter_exit_waits_for_the_writer(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "tests.dist.checkpoint.test_checkpoint_async_kill", "exit", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "returned before the files: True" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "latest").read_text().strip() == "last"
+    assert (tmp_path / "last" / "index.json").is_file()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 if __name__ == "__main__":
-    _script(*sys.argv[1:5])
+    if sys.argv[1] == "exit":
+        _exit_script(sys.argv[2])
+    else:
+        _script(*sys.argv[1:5])
