@@ -150,7 +150,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32, help="sequence length of the training steps")
     parser.add_argument("--dir", default=None, help="where to save (default: a temporary directory)")
     parser.add_argument("--json", default="benchmarks/results/checkpoint_async.json", help="results file")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: on a shared machine, waiting on descheduled helper threads "
+                        "dominates every timing)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as root:

@@ -10,6 +10,11 @@ The sequence (see [Note: checkpoint layout] in format.py for what is written):
 
 A process killed before step 3's rename leaves only a `.tmp` directory that nothing reads:
 `latest` still names the previous complete tag.
+
+This file takes the state from the engine (`rank_tensors`, `rank0_state`) and runs the
+collective steps; write.py writes the files. An asynchronous save copies the state to host
+memory here and hands the writing to a background thread ([Note: asynchronous saves] in
+async_save.py).
 """
 
 from __future__ import annotations
