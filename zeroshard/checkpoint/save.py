@@ -550,7 +550,7 @@ def _start_async(
     tensors, metadata = snapshot
     async_save_module.start(
         async_save_module.WriteJob(
-            save_dir=save_dir, tag=tag, tmp=tmp, rank=rank, world_size=engine.world_size,
+            save_dir=save_dir, tag=tag, tmp=tmp, rank=rank, world_size=len(gathered),
             tensors=tensors, metadata=metadata, rank0=state, save_latest=save_latest,
             timeout_s=engine.config.zeroshard.collective_timeout_s,
         ),
