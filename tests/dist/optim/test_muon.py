@@ -43,6 +43,7 @@ class Block(nn.Module):
         self.up = nn.Linear(DIM, 2 * DIM)  # weight 12x6: tall (transposed in NS), scale sqrt(2)
         self.down = nn.Linear(2 * DIM, DIM, bias=False)  # 6x12: wide (the Gram form)
         self.experts = nn.Parameter(torch.randn(2, DIM, DIM) * 0.3)  # 3-D: two square experts
+        self.experts.is_expert_group = True  # marked: a stack, orthogonalized per expert
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         mixed = torch.einsum("btd,edk->btk", h, self.experts) / 2
