@@ -202,8 +202,8 @@ def train_cases(cases: list[tuple[int, str, float, bool]]) -> list[dict]:
                 muon_comm = [(r.op, r.dtype, r.numel) for r in log.records if r.tag == "muon"]
             history.append(_full_params(engine))
         muon_groups = engine.optimizer.param_groups
-        muon_flats = [(f.padded_numel, max(math.prod(matrix_layout(s)[1:]) for s in f.shapes)) for f in engine.flats
-                      if muon_groups[f.optimizer_group]["use_muon"]]
+        muon_flats = [(f.padded_numel, max(math.prod(matrix_layout(s, len(s) == 3)[1:]) for s in f.shapes))
+                      for f in engine.flats if muon_groups[f.optimizer_group]["use_muon"]]
         results.append({"history": history, "muon_comm": muon_comm, "muon_flats": muon_flats})
     return results
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 COMMON = {"vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 32}
+          "num_key_value_heads": 2, "max_position_embeddings": 32, "attn_implementation": "eager"}
 
 
 def tiny(family: str, seed: int = 0) -> torch.nn.Module:
