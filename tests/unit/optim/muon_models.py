@@ -34,3 +34,8 @@ def tiny(family: str, seed: int = 0) -> torch.nn.Module:
             n_shared_experts=1, q_lora_rank=12, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
             v_head_dim=6))
     raise ValueError(family)
+
+
+def tiny_llama() -> torch.nn.Module:
+    """For `zeroshard explain --model tests.unit.optim.muon_models:tiny_llama`."""
+    return tiny("llama")
