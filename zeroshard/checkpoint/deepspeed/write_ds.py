@@ -45,13 +45,13 @@ def _loss_scaler(state: PortableState) -> Any:
     if scaler.get("kind") == "dynamic":
         fp16 = state.config.get("fp16") or {}
         hysteresis = int(fp16.get("hysteresis", 2))
-        return DynamicLossScaler(
-            cur_scale=float(scaler["scale"]), cur_iter=int(scaler["iteration"]),
+        return DynamicLossScaler(  # DeepSpeed's attributes, in its order
+            cur_scale=float(scaler["scale"]), dynamic=True, cur_iter=int(scaler["iteration"]),
             last_overflow_iter=int(scaler["last_overflow_iteration"]), scale_factor=2.0,
-            scale_window=int(fp16.get("loss_scale_window", 1000)), min_scale=float(fp16.get("min_loss_scale", 1)),
+            scale_window=int(fp16.get("loss_scale_window", 1000)), min_scale=fp16.get("min_loss_scale", 1),
             delayed_shift=hysteresis, cur_hysteresis=int(scaler["hysteresis_left"]),
             consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
-            raise_error_at_min_scale=True, dtype=torch.float16, dynamic=True,
+            raise_error_at_min_scale=True, dtype=torch.float16,
         )
     return LossScaler(cur_scale=float(scaler.get("scale", 1.0)), dynamic=False)
 
@@ -64,9 +64,9 @@ def _model_states(state: PortableState, module: dict[str, torch.Tensor], optimiz
         "optimizer": optimizer,
         "param_shapes": shapes if state.stage > 0 else None,
         "frozen_param_shapes": OrderedDict((n, torch.Size(t.shape)) for n, t in state.frozen.items())
-        if state.stage > 0 else None,
+        if state.stage > 1 else None,  # DeepSpeed records frozen parameters from stage 2 on
         "shared_params": dict(state.aliases) if state.stage > 0 else None,
-        "frozen_param_fragments": OrderedDict() if state.stage > 0 else None,
+        "frozen_param_fragments": OrderedDict() if state.stage > 1 else None,
         "lr_scheduler": state.lr_scheduler,
         "data_sampler": None,
         "random_ltd": None,
@@ -145,9 +145,10 @@ def _write_zero12(state: PortableState, tag_dir: Path) -> None:
         groups.append((names, flat, moments, padded // world, padded - total))
     for rank in range(world):
         partitions, base_state, mappings = [], {}, []
-        for g, (names, flat, moments, part, _) in enumerate(groups):
+        for g, (names, flat, moments, part, padding) in enumerate(groups):
             lo, hi = rank * part, (rank + 1) * part
-            partitions.append(flat[lo:hi].clone())
+            # DeepSpeed saves the fp32 partition without the group's padding (the last rank's tail).
+            partitions.append(flat[lo : hi - (padding if rank == world - 1 else 0)].clone())
             base_state[g] = {"step": _step_tensor(state, g), **{k: v[lo:hi].clone() for k, v in moments.items()}}
             mapping, offset = OrderedDict(), 0
             for n in names:
