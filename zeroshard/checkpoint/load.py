@@ -460,8 +460,10 @@ def load_checkpoint(
     options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only, allow_pickle)
     loaded: _Loaded | None = None
     error: BaseException | None = None
-    if tag is None:
-        tag = universal_latest(load_dir)  # DeepSpeed's ds_to_universal names its output there
+    if tag is None:  # DeepSpeed's ds_to_universal names its output in `latest_universal`
+        section = getattr(engine.config, "checkpoint", None)
+        prefer = section.get("load_universal") if isinstance(section, dict) else getattr(section, "load_universal", 0)
+        tag = universal_latest(load_dir, prefer=bool(prefer))
     tag = agree_on_tag(load_dir, tag)
     try:
         if tag is not None:

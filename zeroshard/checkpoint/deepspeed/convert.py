@@ -27,7 +27,7 @@ def deepspeed_tag_dir(ckpt_dir: str | os.PathLike, tag: str | None = None) -> Pa
         candidates.append(path / validate_tag(tag))
     elif not (path / INDEX_FILE).is_file():
         with contextlib.suppress(CheckpointError):
-            latest = read_latest(path)
+            latest = read_latest(path) or universal_latest(path)
             if latest is not None:
                 candidates.append(path / latest)
     for candidate in candidates:
@@ -37,11 +37,11 @@ def deepspeed_tag_dir(ckpt_dir: str | os.PathLike, tag: str | None = None) -> Pa
     return None
 
 
-def universal_latest(load_dir: str | os.PathLike) -> str | None:
-    """The tag `latest_universal` names (ds_to_universal writes it beside its output) when the save
-    directory has no `latest` of its own; else None."""
+def universal_latest(load_dir: str | os.PathLike, prefer: bool = False) -> str | None:
+    """The tag `latest_universal` names (ds_to_universal writes it beside its output), when `prefer`
+    (the config's `checkpoint.load_universal`) or when the save directory has no `latest`; else None."""
     path = Path(load_dir)
-    if (path / "latest").exists() or not (path / UNIVERSAL_LATEST).is_file():
+    if not (path / UNIVERSAL_LATEST).is_file() or (path / "latest").exists() and not prefer:
         return None
     tag = (path / UNIVERSAL_LATEST).read_text(encoding="utf-8", errors="replace").strip()
     try:
@@ -62,7 +62,8 @@ def _source(tag_dir: Path) -> Path:
     if found is None:
         raise CheckpointError(
             f"{tag_dir}: not a DeepSpeed checkpoint (no mp_rank_00_model_states.pt or "
-            "zero_pp_rank_0_mp_rank_00_model_states.pt, nor a 'latest' naming a tag directory that has one)."
+            "zero_pp_rank_0_mp_rank_00_model_states.pt, nor a 'latest' or 'latest_universal' naming a tag "
+            "directory that has one)."
         )
     return found
 
