@@ -210,8 +210,6 @@ def write_deepspeed(state: PortableState, save_dir: str | os.PathLike, tag: str)
     if state.stage not in (0, 1, 2, 3) or state.world_size < 1:
         raise CheckpointError(f"stage {state.stage}, world size {state.world_size}: DeepSpeed has stages 0-3 "
                               "and a world size of at least 1.")
-    if state.stage == 0 and state.world_size > 1 and state.precision == "fp32":
-        pass  # stage 0 keeps one copy: the same files at any world size
     save_dir = Path(save_dir)
     tag_dir = save_dir / validate_tag(tag)
     if tag_dir.exists():

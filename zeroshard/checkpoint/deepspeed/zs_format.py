@@ -58,6 +58,12 @@ def _json_hyper(hyper: dict[str, Any]) -> dict[str, Any]:
     return {"hyper": entry, "tuple_keys": tuple_keys}
 
 
+def _accumulation(state: PortableState) -> int:
+    """DeepSpeed saves no micro-step counter: every optimizer step took gradient_accumulation_steps."""
+    steps = state.config.get("gradient_accumulation_steps", 1)
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else 1
+
+
 def write_zeroshard(state: PortableState, save_dir: str | os.PathLike, tag: str, source: dict[str, Any]) -> Path:
     """Write `state` as zeroshard checkpoint `save_dir/tag` (one rank) and point `latest` at it."""
     save_dir = Path(save_dir)
@@ -125,7 +131,7 @@ def write_zeroshard(state: PortableState, save_dir: str | os.PathLike, tag: str,
         "torch_version": torch.__version__, "files": files, "params": params, "aliases": state.aliases,
         "frozen_params": describe(state.frozen), "buffers": describe(state.buffers),
         "state_dict_keys": state.module_keys, "autoep": {}, "flats": flats,
-        "counters": {"global_steps": state.global_steps, "micro_steps": state.global_steps,
+        "counters": {"global_steps": state.global_steps, "micro_steps": state.global_steps * _accumulation(state),
                      "skipped_steps": state.skipped_steps, "global_samples": state.global_samples},
         "optimizer": {"class": state.optimizer_class, "param_groups": [_json_hyper(h) for h in state.hyper]},
         "loss_scaler": state.loss_scaler, "lr_scheduler": scheduler_entry, "data_sampler": None,
