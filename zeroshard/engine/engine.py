@@ -24,6 +24,7 @@ from zeroshard.comm import faults
 from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
 from zeroshard.engine.hf_compat import HFCompat
+from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.monitor.attach import build_monitoring
@@ -125,6 +126,7 @@ class Engine(HFCompat, EngineAPI):
             self.module, config, self.device, self.global_rank, self.optimizer, fp16=plan.mode == "fp16"
         )
         self.timers = self.figures.timers
+        attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
@@ -289,11 +291,18 @@ class Engine(HFCompat, EngineAPI):
         self._grads.zero_grad()
 
     # ------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
-        """Write this rank's shards and the shared index under save_dir/tag (atomic)."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True, *, async_save=None):
+        """Write this rank's shards and the shared index under save_dir/tag (atomic); with
+        `async_save` (None: `checkpoint.writer.decoupled`) the files are written in the background."""
         from zeroshard import checkpoint
 
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save=async_save)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save to be written and published; collective."""
+        from zeroshard import checkpoint
+
+        checkpoint.wait_for_checkpoint("engine.wait_for_checkpoint()")
 
     def load_checkpoint(
         self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,

@@ -260,6 +260,16 @@ def test_checkpoint_resume_is_bit_exact_and_the_export_is_the_trained_model(run_
     assert exported_loss == pytest.approx(nn.functional.mse_loss(model(x), y).item(), abs=2e-6)
 
 
+def test_checkpoint_async_resumes_from_the_checkpoint_written_while_training(run_example, tmp_path):
+    """docs/checkpoints.md, "Asynchronous saves": the checkpoint written while steps 3-4 ran
+    holds the step-2 state: a fresh engine loaded from it repeats those losses bit for bit."""
+    out = run_example("checkpoint_async.py", str(tmp_path / "ckpt"))
+    assert "bit-exact: True" in out, out
+    assert "latest: step4" in out, out
+    assert (tmp_path / "ckpt" / "step4" / "index.json").is_file()
+    assert not list((tmp_path / "ckpt").glob(".*.tmp"))
+
+
 def test_skip_nonfinite_step_leaves_the_parameters(run_example):
     out = run_example("skip_nonfinite_step.py")
     assert "skipped_steps 1, global_steps 2, parameters unchanged: True" in out, out
