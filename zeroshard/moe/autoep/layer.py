@@ -245,11 +245,11 @@ class AutoEPMoELayer(nn.Module):
         self.ep_group_name = expert_group_name(ep_size)
         # zeroshard's Group for the layer's own collectives; `ep_group` is torch's handle of it.
         self.expert_group: Group | None = None
-        self.settings = settings
         bias, bias_persistent, bias_path = _selection_bias(source, hf_router, preset)
         if bias_path != preset.selection_bias_path:  # found on the block: the export names it there
             preset = replace(preset, selection_bias_path=bias_path)
             settings = replace(settings, preset=preset)
+        self.settings = settings
         router_weight = hf_router.weight
         self.hidden_size = router_weight.shape[1]
         self.router = AutoEPRouter(self.hidden_size, settings, bias, bias_persistent)
