@@ -174,6 +174,20 @@ def test_selection_bias_survives_the_swap_and_a_checkpoint(form, tmp_path) -> No
         torch.testing.assert_close(loss_of(engine, batch(2)), saved_loss, atol=1e-6, rtol=0)
 
 
+def test_load_balancing_holds_a_parameter_bias_as_a_buffer() -> None:
+    """The balancer moves the bias at each step; as an optimizer's parameter its master copy
+    would undo that, so with load_balance_coeff the bias is a buffer (its value unchanged)."""
+    from zeroshard.config.expert_parallel import ExpertParallelConfig
+    from zeroshard.moe.autoep.swap import replace_moe_layers
+
+    model = remote_deepseek_v3()
+    original = model.get_parameter("model.layers.1.mlp.gate.e_score_correction_bias").detach().clone()
+    replace_moe_layers(model, ExpertParallelConfig(enabled=True, load_balance_coeff=1e-3), world_size=1)
+    router = dict(autoep_layers(model))["model.layers.1.mlp"].router
+    assert "e_score_correction_bias" in router._buffers and "e_score_correction_bias" not in router._parameters
+    torch.testing.assert_close(router.e_score_correction_bias, original, atol=0, rtol=0)
+
+
 def test_packed_experts_built_under_zero_init_keep_their_values(tmp_path) -> None:
     """Stage 3 with the model built under zero.Init (DeepSpeed's idiom): the swapped stacks are
     the model's fused gate_up_proj split in two and its down_proj, not the empty partitions."""

@@ -78,6 +78,13 @@ class AutoEPRouter(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def bias_to_buffer(self) -> None:
+        """Hold a parameter selection bias as a buffer: with load balancing the balancer moves
+        it at each step, which an optimizer's master copy of a parameter would undo."""
+        bias = self._parameters.pop("e_score_correction_bias", None)
+        if bias is not None:
+            self.register_buffer("e_score_correction_bias", bias.detach().clone())
+
     def forward(self, tokens: Tensor, expert_bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """tokens [T, hidden] -> (logits [T, E], weights [T, k], selected experts [T, k]).
         `expert_bias` [E]: DeepSpeed's load-balancing bias, added for the choice only."""
@@ -302,6 +309,8 @@ class AutoEPMoELayer(nn.Module):
                 "no selection bias (e_score_correction_bias) to move. Set load_balance_coeff=None."
             )
         self.count_tokens = config.load_balance_coeff is not None
+        if self.count_tokens:
+            self.router.bias_to_buffer()
         self.set_expert_kernels(config.use_grouped_mm, config.disable_triton_grouped_mm, config.combine_impl)
         self.experts.act_fn = expert_activation(spec.expert_activation)
 
