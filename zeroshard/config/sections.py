@@ -426,6 +426,39 @@ class ZeroConfig(_Section):
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
 
+class CheckpointWriterConfig(_Section):
+    """``checkpoint.writer``: DeepSpeed's checkpoint writer (deepspeed/runtime/model_checkpointing).
+
+    Attributes:
+        decoupled: asynchronous saves: ``save_checkpoint`` returns once the state is copied to
+            host memory and a background thread writes the files (docs/checkpoints.md,
+            "Asynchronous saves"; zeroshard/checkpoint/async_save.py).
+        type: DeepSpeed's writer implementation ("python" or "fast", any case); zeroshard
+            writes its own format either way. "mock" (write nothing) is refused.
+    """
+
+    type: str = "fast"
+    decoupled: bool = False
+    io_buffer_size: JsonInt = Field(64 * 1024**2, ge=1)
+    io_buffer_double: bool = True
+    show_statistics: bool = False
+    data_parallel: str | None = None
+    io_multiplier: JsonInt = Field(1, ge=1)
+
+    NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
+        {"type", "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel", "io_multiplier"}
+    )
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        if value.lower() == "mock":
+            raise ValueError("the mock writer writes nothing; zeroshard always writes the checkpoint. Remove it")
+        if value.lower() not in ("python", "fast"):
+            raise ValueError("must be one of mock, python, fast (DeepSpeed's writer types)")
+        return value
+
+
 class CheckpointConfig(_Section):
     """``checkpoint``: DeepSpeed's checkpoint options.
 
@@ -433,19 +466,18 @@ class CheckpointConfig(_Section):
         tag_validation: what ``save_checkpoint`` does when ranks pass different tags:
             "Ignore", "Warn" (DeepSpeed's default) or "Fail"; any capitalisation is accepted
             and stored in this one.
+        writer: DeepSpeed's writer section; its ``decoupled`` turns on asynchronous saves.
     """
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    # DeepSpeed's switch to load ds_to_universal output: load_checkpoint with no tag then reads the
+    # tag `latest_universal` names (universal checkpoints are recognised by their layout either way).
+    load_universal: bool = False
     use_node_local_storage: bool = False
     parallel_write: dict[str, Any] | None = None
-    writer: dict[str, Any] | None = None
+    writer: CheckpointWriterConfig | None = None
 
-    NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"use_node_local_storage", "parallel_write", "writer"})
-    NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
-        "load_universal": _Unsupported(
-            _equals(False), "zeroshard checkpoints load on any world size already; remove it."
-        ),
-    }
+    NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"use_node_local_storage", "parallel_write"})
 
     @field_validator("tag_validation", mode="before")
     @classmethod
