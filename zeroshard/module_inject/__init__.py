@@ -2,6 +2,7 @@
 Hugging Face MoE model from the `expert_parallel` config section):
 
     auto_ep_presets.py   the supported families and how their settings are resolved
+    auto_ep_config.py    MoELayerSpec, AutoEPConfig: DeepSpeed's descriptions of a layer
     auto_ep_layer.py     AutoEPMoELayer: router, stacked experts, shared experts
     auto_ep_dispatch.py  the dropless all-to-all with splits
     auto_ep.py           detection and replacement

@@ -2,8 +2,10 @@
 
 `auto_wrap_model_for_sp(model, process_group)` finds vision-encoder attention modules by class
 (InternVL's `InternVisionAttention` (remote code) and `InternVLVisionAttention`
-(transformers), which have a [CLS] token; Qwen2-VL's and Qwen2.5-VL's vision `VisionAttention`
-/ `Qwen2_5_VLVisionAttention`, which have none) and replaces each with
+(transformers), Qwen2-VL's and Qwen2.5-VL's vision `VisionAttention` /
+`Qwen2_5_VLVisionAttention`), all with `has_cls_token=False` as DeepSpeed wraps InternVL's: a
+[CLS] token, where the encoder has one, is then the first position of rank 0's slice, not
+replicated (the gathered attention computes the same either way); it replaces each with
 `UlyssesSPViTAttention`. Decoder attention is left alone: Hugging Face decoders get Ulysses
 through `UlyssesSPAttentionHF.register_with_transformers` (ALST), so nothing is wrapped twice;
 wrapping an already wrapped model changes nothing.
@@ -19,11 +21,11 @@ from zeroshard.sequence.autosp_vit import UlyssesSPViTAttention
 
 __all__ = ["auto_wrap_model_for_sp", "VISION_ATTENTION_CLASSES"]
 
-# class name -> has a [CLS] token. Qwen2-VL's `VisionAttention` is matched with its module, as
-# the name alone is generic.
+# class name -> wrapped with has_cls_token (DeepSpeed's `_VIT_HAS_CLS_TOKEN` values). Qwen2-VL's
+# `VisionAttention` is matched with its module, as the name alone is generic.
 VISION_ATTENTION_CLASSES: dict[str, bool] = {
-    "InternVisionAttention": True,
-    "InternVLVisionAttention": True,
+    "InternVisionAttention": False,
+    "InternVLVisionAttention": False,
     "Qwen2_5_VLVisionAttention": False,
     "transformers.models.qwen2_vl.modeling_qwen2_vl.VisionAttention": False,
 }

@@ -1,20 +1,24 @@
-"""AutoSP fusion adapters: splice visual tokens into the sharded text sequence.
+"""AutoSP fusion adapters: splice visual tokens into the text sequence and hand each rank its
+slice of the fused sequence (DeepSpeed's `deepspeed.sequence.autosp_fusion`, same call).
 
-A multimodal model puts the projected visual features where its prompt holds image
-placeholder tokens. With sequence parallelism each rank holds only a slice of the text, so it
-must know which visual features fall in its slice: the adapters gather the (small) token ids
-of the whole sequence, number the visual positions in the model's own order (row-major over
-batch and sequence, as `masked_scatter` fills them on one device), and fill this rank's
-positions with those rows. The projection runs on every rank over all features; each rank's
-gradient covers its own rows, so the sum over sequence ranks (ZeRO's reduction) is the
-single-device gradient.
+`adapter(local_visual, text_embeds, input_ids)`, as DeepSpeed calls it:
+- `local_visual`: this rank's shard of the visual features, before the projection: DeepSpeed's
+  per-sample form `[batch, local_tokens, dim_in]` (sample i fills its placeholders, in order,
+  with the first rows of its gathered features) or flat rows `[local_rows, dim_in]` in
+  placeholder order (row-major over batch and sequence, as `masked_scatter` fills them on one
+  device). Shards may have any lengths (P need not divide the visual token count).
+- `text_embeds` `[batch, seq, dim]` and `input_ids` `[batch, seq]`: the whole sequence.
+Returns this rank's equal slice `[batch, ceil(seq / P), dim]` of the fused sequence, padded at
+the end with zeros to a multiple of P (`padding.shard_sequence`'s layout). Placeholders are
+replaced one for one (transformers' processors expand each image to one placeholder per
+visual token); a count that does not fit is refused.
 
-`forward(visual_features, text_embeds, input_ids)`: visual features `[..., dim_in]` (all of
-them, rows in placeholder order), this rank's `text_embeds` `[batch, local, dim]` and
-`input_ids` `[batch, local]`; returns the fused `[batch, local, dim]`. Slices may have any
-lengths; equal slices of a padded sequence (`padding.shard_sequence`) work inside
-`padding.padded_sequence(valid_length)`: no visual feature goes to a padded position (even
-when the padding id is a placeholder id), and padded rows keep their text embedding.
+The projection runs on this rank's shard only; the gather is differentiable (each rank's
+shard gets the gradient of every rank's slice), so each rank's projection gradient covers its
+own visual rows and the sum over sequence ranks (ZeRO's reduction) is the single-device
+gradient. Inside `padding.padded_sequence(valid_length)` (a whole sequence already padded, even
+with a placeholder id) no visual feature goes to a padded position: padded rows keep their text
+embedding.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.comm import collectives as comm
-from zeroshard.sequence.gather import _slice_lengths, gather_sequence
-from zeroshard.sequence.padding import current_valid_length
+from zeroshard.sequence.gather import gather_sequence
+from zeroshard.sequence.padding import current_valid_length, shard_sequence
 
 __all__ = ["LlavaFusionAdapter", "InternVLFusionAdapter", "Qwen2VLFusionAdapter"]
 
@@ -38,30 +42,47 @@ class _FusionAdapter(nn.Module):
         self.process_group = process_group
 
     def visual_positions(self, input_ids: Tensor) -> Tensor:
-        """[batch, seq] bool: where visual features go, for the whole sequence."""
+        """[batch, seq] bool: where visual features go."""
         raise NotImplementedError
 
     def forward(self, visual_features: Tensor, text_embeds: Tensor, input_ids: Tensor) -> Tensor:
         group = comm.as_group(self.process_group)
+        if tuple(text_embeds.shape[:2]) != tuple(input_ids.shape):
+            raise ValueError(
+                f"{type(self).__name__}: text_embeds {list(text_embeds.shape)} and input_ids {list(input_ids.shape)} "
+                "differ in batch or sequence. Pass the whole sequence's embeddings and ids (the adapter returns "
+                "this rank's slice)."
+            )
+        local = self.projection(visual_features) if self.projection is not None else visual_features
+        per_sample = local.dim() >= 3
+        features = gather_sequence(local, group, 1 if per_sample else 0).to(text_embeds.dtype)
         with torch.no_grad():
-            full_ids = gather_sequence(input_ids, group, 1)
-            full_mask = self.visual_positions(full_ids)
+            mask = self.visual_positions(input_ids)
             valid = current_valid_length()
             if valid is not None:
-                full_mask[:, valid:] = False
-            order = full_mask.flatten().cumsum(0).view_as(full_mask) - 1  # row of each visual position
-            start = sum(_slice_lengths(input_ids.shape[1], group, input_ids.device)[: group.rank])
-            mine = slice(start, start + input_ids.shape[1])
-            local_mask, local_rows = full_mask[:, mine], order[:, mine][full_mask[:, mine]]
-        features = self.projection(visual_features) if self.projection is not None else visual_features
-        features = features.reshape(-1, features.shape[-1]).to(text_embeds.dtype)
-        expected = int(full_mask.sum())
-        if features.shape[0] != expected:
+                mask[:, valid:] = False
+        rows = _rows(features, mask, per_sample, type(self).__name__)
+        fused = text_embeds.masked_scatter(mask.unsqueeze(-1), rows)
+        return shard_sequence(fused, group, dim=1)
+
+
+def _rows(features: Tensor, mask: Tensor, per_sample: bool, who: str) -> Tensor:
+    """The gathered features as the rows `masked_scatter` puts at `mask`, in its order."""
+    if not per_sample:
+        rows, expected = features.reshape(-1, features.shape[-1]), int(mask.sum())
+        if rows.shape[0] != expected:
             raise ValueError(
-                f"{features.shape[0]} visual feature rows for {expected} visual positions in input_ids. "
-                "Pass every image's features, in the order their placeholders appear."
+                f"{who}: {rows.shape[0]} visual feature rows for {expected} visual positions in input_ids. Pass "
+                "every image's features (this rank's shard of them), in the order their placeholders appear."
             )
-        return text_embeds.masked_scatter(local_mask.unsqueeze(-1), features[local_rows])
+        return rows
+    counts = mask.sum(1).tolist()
+    if features.shape[0] != mask.shape[0] or max(counts, default=0) > features.shape[1]:
+        raise ValueError(
+            f"{who}: visual features {list(features.shape)} (gathered) for samples with {counts} visual positions. "
+            "Each sample needs at least as many visual tokens as its placeholders, one placeholder per token."
+        )
+    return torch.cat([features[i, :n] for i, n in enumerate(counts)]).reshape(-1, features.shape[-1])
 
 
 class LlavaFusionAdapter(_FusionAdapter):

@@ -130,7 +130,26 @@ def _visual_mask_reference(ids: torch.Tensor, kind: str) -> torch.Tensor:
     return mask
 
 
+def _adapter(kind: str, projection: nn.Module, group: Any) -> nn.Module:
+    if kind == "llava":
+        return LlavaFusionAdapter(projection, group, image_token_id=5)
+    if kind == "internvl":
+        return InternVLFusionAdapter(projection, group, image_token_id=5)
+    return Qwen2VLFusionAdapter(projection, group, vision_start_token_id=7, vision_end_token_id=8)
+
+
+def _equal_slice(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's slice of `full` [batch, seq, ...] padded with zeros to a multiple of the
+    ranks (written out here, independent of padding.shard_sequence)."""
+    chunk = -(-full.shape[1] // world)
+    padded = torch.cat((full, full.new_zeros(full.shape[0], chunk * world - full.shape[1], *full.shape[2:])), 1)
+    return padded[:, rank * chunk:(rank + 1) * chunk]
+
+
 def fusion(kind: str) -> dict[str, Any]:
+    """DeepSpeed's call: each rank passes its uneven shard of the per-sample visual features
+    [batch, tokens, dim_in] and the whole text; sample i's placeholders take the first rows of
+    its features (Qwen2-VL's second sample has fewer placeholders than tokens)."""
     torch.manual_seed(0)
     rank, world = dist.get_rank(), dist.get_world_size()
     if kind == "qwen2vl":
@@ -138,32 +157,28 @@ def fusion(kind: str) -> dict[str, Any]:
     else:
         ids = torch.tensor([[1, 5, 5, 5, 2, 3, 5, 5, 4, 1, 2], [5, 5, 1, 2, 3, 4, 5, 1, 2, 5, 5]])
     mask = _visual_mask_reference(ids, kind)
+    counts = mask.sum(1).tolist()
     projection = nn.Linear(12, 16)
-    visual = torch.randn(int(mask.sum()), 12)
+    visual = torch.randn(2, max(counts), 12)
     embeds = torch.randn(2, ids.shape[1], 16)
     weights = torch.randn(2, ids.shape[1], 16)
 
     ref_visual, ref_embeds = visual.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
-    ref_out = ref_embeds.masked_scatter(mask.unsqueeze(-1), projection(ref_visual))
+    projected = projection(ref_visual)
+    ref_out = ref_embeds.masked_scatter(mask.unsqueeze(-1), torch.cat([projected[i, :n] for i, n in enumerate(counts)]))
     (ref_out * weights).sum().backward()
     ref_params = _param_grads(projection)
     projection.zero_grad(set_to_none=True)
 
-    if kind == "llava":
-        adapter = LlavaFusionAdapter(projection, dist.group.WORLD, image_token_id=5)
-    elif kind == "internvl":
-        adapter = InternVLFusionAdapter(projection, dist.group.WORLD, image_token_id=5)
-    else:
-        adapter = Qwen2VLFusionAdapter(projection, dist.group.WORLD, vision_start_token_id=7, vision_end_token_id=8)
-    a, b = _slices(ids.shape[1], world)[rank]
-    local_visual, local_embeds = visual.clone().requires_grad_(True), embeds[:, a:b].clone().requires_grad_(True)
-    out = adapter(local_visual, local_embeds, ids[:, a:b])
-    (out * weights[:, a:b]).sum().backward()
+    a, b = _slices(visual.shape[1], world)[rank]
+    local_visual, full_embeds = visual[:, a:b].clone().requires_grad_(True), embeds.clone().requires_grad_(True)
+    out = _adapter(kind, projection, dist.group.WORLD)(local_visual, full_embeds, ids)
+    (out * _equal_slice(weights, world, rank)).sum().backward()
     params = {n: _summed(g) for n, g in _param_grads(projection).items()}
     return {
-        "out": (out.detach(), ref_out.detach()[:, a:b]),
-        "grad_embeds": (local_embeds.grad, ref_embeds.grad[:, a:b]),
-        "grad_visual": (_summed(local_visual.grad), ref_visual.grad),
+        "out": (out.detach(), _equal_slice(ref_out.detach(), world, rank)),
+        "grad_embeds": (_summed(full_embeds.grad), ref_embeds.grad),
+        "grad_visual": (local_visual.grad, ref_visual.grad[:, a:b]),
         "params": {n: (params[n], ref_params[n]) for n in ref_params},
     }
 
@@ -281,10 +296,12 @@ def qwen2vl_attention_padded(patches: int) -> dict[str, Any]:
 
 
 def fusion_padded(kind: str, length: int) -> dict[str, Any]:
-    """The token ids are padded with the placeholder id itself: the padding must still get no
-    visual feature."""
+    """A whole sequence already padded to a multiple of the ranks, with the placeholder id
+    itself, inside padded_sequence(length): the padding must still get no visual feature.
+    Visual features as flat rows in placeholder order, each rank an uneven shard."""
     torch.manual_seed(0)
     group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(length)
     if kind == "qwen2vl":
         ids = torch.randint(1, 4, (2, length), generator=gen)
@@ -297,37 +314,32 @@ def fusion_padded(kind: str, length: int) -> dict[str, Any]:
     mask = _visual_mask_reference(ids, kind)
     projection = nn.Linear(12, 16)
     visual = torch.randn(int(mask.sum()), 12)
-    embeds = torch.randn(2, length, 16)
+    chunk = -(-length // world)
+    embeds = torch.randn(2, chunk * world, 16)  # the padded positions have text embeddings too
+    padded_ids = torch.cat((ids, torch.full((2, chunk * world - length), pad_id)), 1)
     weights = torch.randn(2, length, 16)
 
     ref_visual, ref_embeds = visual.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
-    ref_out = ref_embeds.masked_scatter(mask.unsqueeze(-1), projection(ref_visual))
+    ref_out = ref_embeds[:, :length].masked_scatter(mask.unsqueeze(-1), projection(ref_visual))
     (ref_out * weights).sum().backward()
     ref_params = _param_grads(projection)
     projection.zero_grad(set_to_none=True)
 
-    if kind == "llava":
-        adapter = LlavaFusionAdapter(projection, group, image_token_id=5)
-    elif kind == "internvl":
-        adapter = InternVLFusionAdapter(projection, group, image_token_id=5)
-    else:
-        adapter = Qwen2VLFusionAdapter(projection, group, vision_start_token_id=7, vision_end_token_id=8)
-    local_visual, full_embeds = visual.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
-    local_embeds = shard_sequence(full_embeds, group, dim=1)
-    local_ids = shard_sequence(ids, group, dim=1, value=pad_id)
+    a, b = _slices(visual.shape[0], world)[rank]
+    local_visual, full_embeds = visual[a:b].clone().requires_grad_(True), embeds.clone().requires_grad_(True)
     with padded_sequence(length):
-        out = adapter(local_visual, local_embeds, local_ids)
-        keep = valid_positions(local_ids.shape[1], group)
-    (out * shard_sequence(weights, group, dim=1) * keep.view(1, -1, 1)).sum().backward()
+        out = _adapter(kind, projection, group)(local_visual, full_embeds, padded_ids)
+        keep = valid_positions(out.shape[1], group)
+    (out * _equal_slice(weights, world, rank) * keep.view(1, -1, 1)).sum().backward()
     params = {n: _summed(g) for n, g in _param_grads(projection).items()}
     real = int(keep.sum())
-    start = dist.get_rank() * local_ids.shape[1]
+    start = rank * chunk
     return {
         "out_real": (out[:, :real].detach(), ref_out.detach()[:, start : start + real]),
-        "padding_is_text": (out[:, real:].detach(), local_embeds[:, real:].detach()),
+        "padding_is_text": (out[:, real:].detach(), embeds[:, start + real : start + chunk]),
         "unsharded": (unshard_sequence(out.detach(), group, length, 1), ref_out.detach()),
         "grad_embeds": (_summed(full_embeds.grad), ref_embeds.grad),
-        "grad_visual": (_summed(local_visual.grad), ref_visual.grad),
+        "grad_visual": (local_visual.grad, ref_visual.grad[a:b]),
         "params": {n: (params[n], ref_params[n]) for n in ref_params},
     }
 

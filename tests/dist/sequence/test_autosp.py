@@ -48,5 +48,5 @@ def test_auto_wrap_finds_vision_attention_once(dist_pool) -> None:
     for out in dist_pool(2).run(auto_wrap, timeout=TIMEOUT_S):
         assert out["first"] == ["UlyssesSPViTAttention", "UlyssesSPViTAttention", "LlamaAttention"], out
         assert out["second"] == out["first"], out
-        assert out["cls"] == [True, False], out
+        assert out["cls"] == [False, False], out  # DeepSpeed wraps InternVL without a CLS token
         assert out["inner"] == ["InternVLVisionAttention", "VisionAttention"], out

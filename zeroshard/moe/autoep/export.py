@@ -38,6 +38,8 @@ def hf_layouts(module: nn.Module) -> dict[str, dict[str, Any]]:
             "w2": preset.expert_w2, "w3": preset.expert_w3, "bias": preset.selection_bias,
             "modules": preset.expert_modules, "weight_attr": preset.expert_weight_attr,
         }
+        if preset.selection_bias_path is not None:  # the bias lives on the block or a submodule of it
+            out[name]["bias_path"] = preset.selection_bias_path
     return out
 
 
@@ -57,7 +59,9 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], layouts: dict[str, dict[str
         if rest == "router.gate.weight":
             out[f"{router}.weight"] = value
         elif rest == "router.e_score_correction_bias":
-            out[f"{router}.{layout['bias'] or 'e_score_correction_bias'}"] = value
+            path = layout.get("bias_path")
+            owner = router if path is None else prefix if path == "" else f"{prefix}.{path}"
+            out[f"{owner}.{layout['bias'] or 'e_score_correction_bias'}"] = value
         elif rest == "experts.w1" and layout.get("modules"):
             w3, w2 = state[f"{prefix}.experts.w3"], state[f"{prefix}.experts.w2"]
             out.update(_per_expert(experts, layout, value, w3, w2))

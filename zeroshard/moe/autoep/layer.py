@@ -15,6 +15,7 @@ family's routing), with a dropless all-to-all in between (auto_ep_dispatch.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from zeroshard.moe.autoep.carry import apply_marks, carried_marks
 from zeroshard.moe.autoep.dispatch import combine, dispatch
 from zeroshard.moe.autoep.expert_paths import CombineImpl, ExpertPath, choose_path, run_experts, weighted_combine
 from zeroshard.moe.autoep.presets import RoutingSettings
+from zeroshard.moe.autoep.spec import AutoEPConfig, MoELayerSpec, routing_from_spec
 from zeroshard.sharding.layout import ParallelLayout, current_layout, expert_group_name
 
 __all__ = ["AutoEPMoELayer", "AutoEPRouter", "GroupedExperts", "RouterGate"]
@@ -52,7 +54,11 @@ class AutoEPRouter(nn.Module):
     bias added for choosing only, group-limited choice, the unbiased scores of the chosen
     experts as weights, renormalised if `route_norm`, times `route_scale`."""
 
-    def __init__(self, hidden: int, settings: RoutingSettings, selection_bias: Tensor | None) -> None:
+    def __init__(
+        self, hidden: int, settings: RoutingSettings, selection_bias: Tensor | None, bias_persistent: bool = True
+    ) -> None:
+        """`selection_bias`: the model's, copied in the form it had: a parameter stays a
+        parameter (trainable as it was), a buffer a buffer (`bias_persistent`: in the state dict)."""
         super().__init__()
         self.gate = RouterGate(hidden, settings.num_experts, settings.preset.logits_fp32)
         self.num_experts = settings.num_experts
@@ -64,22 +70,36 @@ class AutoEPRouter(nn.Module):
         self.num_limited_groups = settings.num_limited_groups
         self.group_score = settings.preset.group_score
         self.weights_in_logits_dtype = settings.preset.weights_in_logits_dtype
-        if selection_bias is not None:
-            self.register_buffer("e_score_correction_bias", selection_bias.detach().clone())
+        if isinstance(selection_bias, nn.Parameter):
+            copied = nn.Parameter(selection_bias.detach().clone(), requires_grad=selection_bias.requires_grad)
+            self.e_score_correction_bias = copied
+        elif selection_bias is not None:
+            self.register_buffer("e_score_correction_bias", selection_bias.detach().clone(), bias_persistent)
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """tokens [T, hidden] -> (logits [T, E], weights [T, k], selected experts [T, k])."""
+    def bias_to_buffer(self) -> None:
+        """Hold a parameter selection bias as a buffer: with load balancing the balancer moves
+        it at each step, which an optimizer's master copy of a parameter would undo."""
+        bias = self._parameters.pop("e_score_correction_bias", None)
+        if bias is not None:
+            self.register_buffer("e_score_correction_bias", bias.detach().clone())
+
+    def forward(self, tokens: Tensor, expert_bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """tokens [T, hidden] -> (logits [T, E], weights [T, k], selected experts [T, k]).
+        `expert_bias` [E]: DeepSpeed's load-balancing bias, added for the choice only."""
         logits = self.gate(tokens)
         if self.score_func == "sigmoid":
             scores = logits.float().sigmoid()
         else:
             scores = F.softmax(logits, dim=-1, dtype=torch.float32)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        choice = scores if expert_bias is None else scores + expert_bias
+        biased = expert_bias is not None or self.e_score_correction_bias is not None
+        if self.e_score_correction_bias is not None:
+            choice = choice + self.e_score_correction_bias
         if self.num_expert_groups is not None:
             choice = self._limit_groups(choice)
-        if self.e_score_correction_bias is None and self.num_expert_groups is None:
+        if not biased and self.num_expert_groups is None:
             weights, selected = torch.topk(scores, self.top_k, dim=-1)
         else:
             selected = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
@@ -121,12 +141,50 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(
-        self, w1: Tensor, w2: Tensor, w3: Tensor, act_fn: nn.Module | None, group_name: str,
-        marks: dict[str, dict[str, Any]] | None = None,
+        self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True,
+        disable_triton_grouped_mm: bool = False, activation: str = "swiglu", activation_alpha: float = 1.702,
+        activation_limit: float = 7.0, gate_up_impl: str = "separate",
     ) -> None:
-        """`marks`: per stack ("w1", "w2", "w3"), the attributes and `requires_grad` it carries
-        over from the weights it was built from (zeroshard/moe/autoep/carry.py)."""
+        """DeepSpeed's constructor: `num_experts` experts of uninitialised weights (w1/w3
+        [num_experts, hidden_dim, dim], w2 [num_experts, dim, hidden_dim]), marked
+        `is_expert_group` as DeepSpeed marks them. AutoEP's layer builds them with
+        `from_weights`.
+
+        Raises:
+            ValueError: an activation or gate_up_impl zeroshard does not compute (the message
+                lists the ones it does).
+        """
         super().__init__()
+        if gate_up_impl not in ("separate", "fused"):
+            raise ValueError(f'gate_up_impl must be "separate" or "fused", got {gate_up_impl!r}')
+        self._build(
+            torch.empty(num_experts, hidden_dim, dim), torch.empty(num_experts, dim, hidden_dim),
+            torch.empty(num_experts, hidden_dim, dim), expert_activation(activation), "", None,
+        )
+        for p in (self.w1, self.w2, self.w3):
+            p.is_expert_group = True
+            del p.group_name  # a standalone module belongs to no expert-parallel group yet
+        self.use_grouped_mm = use_grouped_mm
+        self.force_native_grouped_mm = disable_triton_grouped_mm
+        self.activation = activation
+
+    @classmethod
+    def from_weights(
+        cls, w1: Tensor, w2: Tensor, w3: Tensor, act_fn: nn.Module | None, group_name: str,
+        marks: dict[str, dict[str, Any]] | None = None,
+    ) -> GroupedExperts:
+        """The experts holding `w1`, `w2`, `w3` (taken as they are). `marks`: per stack ("w1",
+        "w2", "w3"), the attributes and `requires_grad` it carries over from the weights it was
+        built from (zeroshard/moe/autoep/carry.py)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._build(w1, w2, w3, act_fn, group_name, marks)
+        return self
+
+    def _build(
+        self, w1: Tensor, w2: Tensor, w3: Tensor, act_fn: nn.Module | None, group_name: str,
+        marks: dict[str, dict[str, Any]] | None,
+    ) -> None:
         self.w1 = nn.Parameter(w1)
         self.w2 = nn.Parameter(w2)
         self.w3 = nn.Parameter(w3)
@@ -146,9 +204,12 @@ class GroupedExperts(nn.Module):
     def num_local_experts(self) -> int:
         return self.w1.shape[0]
 
-    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
-        """x [N, hidden], rows grouped by local expert (`counts` rows each). Every expert runs,
-        an empty one on zero rows, so each slice of the weights gets a gradient (zeros)."""
+    def forward(self, x: Tensor, counts: list[int] | Tensor) -> Tensor:
+        """x [N, hidden], rows grouped by local expert (`counts` rows each, a list or DeepSpeed's
+        `num_tokens_per_expert` tensor). Every expert runs, an empty one on zero rows, so each
+        slice of the weights gets a gradient (zeros)."""
+        if torch.is_tensor(counts):
+            counts = [int(c) for c in counts.tolist()]
         path = self.path or choose_path(x, counts, self.w1, self.use_grouped_mm, self.force_native_grouped_mm)
         self.last_path = path
         return run_experts(path, x, counts, self.w1, self.w2, self.w3, self.act_fn)
@@ -161,10 +222,26 @@ class AutoEPMoELayer(nn.Module):
     _is_autoep_layer = True
 
     def __init__(
-        self, source: nn.Module, settings: RoutingSettings, ep_size: int, ep_rank: int, name: str = ""
+        self, spec: MoELayerSpec | nn.Module, source_module: nn.Module | RoutingSettings, ep_size: int, ep_rank: int,
+        config: AutoEPConfig | None = None, name: str = "",
     ) -> None:
-        """`name`: the block's name in the model, for messages."""
+        """DeepSpeed's constructor, `AutoEPMoELayer(spec, source_module, ep_size, ep_rank,
+        config)`; zeroshard's own, `AutoEPMoELayer(source, settings, ep_size, ep_rank, name=)`
+        (the swap's), is told apart by its argument types. `name`: the block's name in the
+        model, for messages.
+
+        Raises:
+            ValueError: a spec zeroshard does not compute, a spec that does not fit the block,
+                or `load_balance_coeff` for a family without a selection bias.
+        """
         super().__init__()
+        if isinstance(spec, MoELayerSpec):
+            source, settings = source_module, routing_from_spec(spec, config)
+            name = name or spec.moe_module_name
+            _check_spec(spec, source)
+        else:
+            source, settings = spec, source_module
+        assert isinstance(source, nn.Module) and isinstance(settings, RoutingSettings)
         preset = settings.preset
         hf_router = getattr(source, preset.router_pattern)
         hf_experts = getattr(source, preset.experts_pattern)
@@ -176,11 +253,14 @@ class AutoEPMoELayer(nn.Module):
         self.ep_group_name = expert_group_name(ep_size)
         # zeroshard's Group for the layer's own collectives; `ep_group` is torch's handle of it.
         self.expert_group: Group | None = None
+        bias, bias_persistent, bias_path = _selection_bias(source, hf_router, preset)
+        if bias_path != preset.selection_bias_path:  # found on the block: the export names it there
+            preset = replace(preset, selection_bias_path=bias_path)
+            settings = replace(settings, preset=preset)
         self.settings = settings
-        bias = getattr(hf_router, preset.selection_bias, None) if preset.selection_bias else None
         router_weight = hf_router.weight
         self.hidden_size = router_weight.shape[1]
-        self.router = AutoEPRouter(self.hidden_size, settings, bias)
+        self.router = AutoEPRouter(self.hidden_size, settings, bias, bias_persistent)
         # A copy on the source's device and in its dtype (meta too: `zeroshard explain`).
         self.router.gate.weight = nn.Parameter(router_weight.detach().clone())
         prefix = f"{name}." if name else ""
@@ -193,7 +273,9 @@ class AutoEPMoELayer(nn.Module):
             for stack, sources in _expert_sources(hf_experts, preset, f"{prefix}{preset.experts_pattern}").items()
         }
         w1, w2, w3 = _local_expert_weights(hf_experts, preset, ep_rank * self.num_local_experts, self.num_local_experts)
-        self.experts = GroupedExperts(w1, w2, w3, getattr(hf_experts, "act_fn", None), self.ep_group_name, marks)
+        self.experts = GroupedExperts.from_weights(
+            w1, w2, w3, getattr(hf_experts, "act_fn", None), self.ep_group_name, marks
+        )
         for p in (self.experts.w1, self.experts.w2, self.experts.w3):
             # Where this rank's stack sits in the global [E, ...] one (experts are contiguous
             # blocks along dim 0): checkpoints save and load the global tensor, so they are the
@@ -213,6 +295,25 @@ class AutoEPMoELayer(nn.Module):
         self.tokens_per_expert: Tensor | None = None
         self.count_tokens = False
         self.combine_impl: CombineImpl = "weighted_sum"
+        if isinstance(spec, MoELayerSpec):
+            self._adopt_spec(spec, config if config is not None else AutoEPConfig())
+
+    def _adopt_spec(self, spec: MoELayerSpec, config: AutoEPConfig) -> None:
+        """DeepSpeed's construction: the config's kernel and balance settings, the spec's activation."""
+        self.model_family = spec.model_family
+        self.load_balance_coeff = config.load_balance_coeff
+        if config.load_balance_coeff is not None and (
+            not spec.supports_expert_bias or self.router.e_score_correction_bias is None
+        ):
+            raise ValueError(
+                f"AutoEP preset '{spec.model_family}' does not support load_balance_coeff/expert_bias: its router has "
+                "no selection bias (e_score_correction_bias) to move. Set load_balance_coeff=None."
+            )
+        self.count_tokens = config.load_balance_coeff is not None
+        if self.count_tokens:
+            self.router.bias_to_buffer()
+        self.set_expert_kernels(config.use_grouped_mm, config.disable_triton_grouped_mm, config.combine_impl)
+        self.experts.act_fn = expert_activation(spec.expert_activation)
 
     def set_expert_kernels(self, use_grouped_mm: bool, disable_triton_grouped_mm: bool, combine_impl: str) -> None:
         """DeepSpeed's three kernel keys (expert_parallel section; docs/moe.md says what each does here)."""
@@ -233,9 +334,27 @@ class AutoEPMoELayer(nn.Module):
         # DeepSpeed code assigns a torch ProcessGroup; zeroshard's own Group is taken as is.
         self.expert_group = group if group is None or isinstance(group, Group) else comm.group_of(group)
 
-    def set_deepspeed_parallelism(self, layout: ParallelLayout | None = None) -> None:
+    def set_deepspeed_parallelism(
+        self, use_data_before_expert_parallel_: bool = False, folding_group_handles: Any = None,
+        layout: ParallelLayout | None = None,
+    ) -> None:
         """Attach the expert-parallel group of `layout` (the engine's; else the process's one
-        layout, which builds it once per size, collectively)."""
+        layout, which builds it once per size, collectively). DeepSpeed's signature; its two
+        options are refused, as zeroshard's `MoE` refuses the first.
+
+        Raises:
+            ValueError: `use_data_before_expert_parallel_=True` or `folding_group_handles`.
+        """
+        if use_data_before_expert_parallel_:
+            raise ValueError(
+                "use_data_before_expert_parallel_=True: not supported by zeroshard (expert-parallel groups are "
+                "consecutive ranks). Leave it False."
+            )
+        if folding_group_handles is not None:
+            raise ValueError(
+                "folding_group_handles: zeroshard's AutoEP does not fold expert parallelism with tensor "
+                "parallelism (tensor_parallel.autotp_size 1). Leave it None."
+            )
         self.expert_group, _ = (layout if layout is not None else current_layout()).expert_groups(self.ep_size)
 
     def global_expert_index(self, local_index: int) -> int:
@@ -277,6 +396,67 @@ class AutoEPMoELayer(nn.Module):
         if gate_name and gate_name in self.shared_expert_names:
             out = torch.sigmoid(getattr(self, gate_name)(tokens)) * out
         return out
+
+
+_ACTIVATIONS = {"swiglu": lambda: nn.SiLU(), "geglu_tanh": lambda: nn.GELU(approximate="tanh")}
+
+
+def expert_activation(name: str) -> nn.Module:
+    """The gate activation of DeepSpeed's expert activation `name` (experts compute
+    act(w1 x) * w3 x).
+
+    Raises:
+        ValueError: a form zeroshard does not compute (the clamped SwiGLU variants).
+    """
+    if name not in _ACTIVATIONS:
+        raise ValueError(
+            f"expert activation {name!r}: zeroshard's AutoEP experts compute {', '.join(_ACTIVATIONS)} only. Use one "
+            "of them, or leave expert_parallel off for this model."
+        )
+    return _ACTIVATIONS[name]()
+
+
+def _selection_bias(source: nn.Module, router: nn.Module, preset) -> tuple[Tensor | None, bool, str | None]:
+    """The block's selection bias (a parameter or a buffer, on the router, on the block or on
+    the submodule `preset.selection_bias_path`), whether it is a persistent buffer, and where
+    it was found (None: the router; "": the block). Without a path, a bias the router does not
+    register but the block does is the block's (some models keep it beside the router)."""
+    attr = preset.selection_bias
+    if not attr:
+        return None, True, preset.selection_bias_path
+    path = preset.selection_bias_path
+
+    def registers(module: nn.Module) -> bool:
+        return attr in module._parameters or attr in module._buffers
+
+    if path is None and not registers(router) and registers(source):
+        path = ""
+    owner = router if path is None else (source if path == "" else source.get_submodule(path))
+    bias = getattr(owner, attr, None)
+    if bias is not None and not torch.is_tensor(bias):
+        raise ValueError(
+            f"{type(owner).__name__}.{preset.selection_bias} is a {type(bias).__name__}, not a tensor: AutoEP copies "
+            "the selection bias as a parameter or a buffer. Register it as one (register_buffer or nn.Parameter)."
+        )
+    return bias, attr not in getattr(owner, "_non_persistent_buffers_set", set()), path
+
+
+def _check_spec(spec: MoELayerSpec, source: nn.Module) -> None:
+    """The spec's sizes against the block's weights: a wrong spec would build experts of
+    the wrong shape silently."""
+    router = getattr(source, spec.router_name, None)
+    if router is None or not hasattr(source, spec.experts_name):
+        raise ValueError(
+            f"MoELayerSpec ({spec.moe_module_name}): the block has no router {spec.router_name!r} or experts "
+            f"{spec.experts_name!r} (it has {', '.join(n for n, _ in source.named_children())}). Set router_name "
+            "and experts_name to its children."
+        )
+    shape = tuple(router.weight.shape)
+    if shape != (spec.num_experts, spec.hidden_size):
+        raise ValueError(
+            f"MoELayerSpec ({spec.moe_module_name}): num_experts={spec.num_experts}, hidden_size={spec.hidden_size} "
+            f"but the router weight is {list(shape)}. Set them to the block's sizes."
+        )
 
 
 def _expert_sources(experts: nn.Module, preset, prefix: str) -> dict[str, list[tuple[str, nn.Parameter]]]:

@@ -53,6 +53,9 @@ class MoEPreset:
     read_groups: bool = False  # n_group / topk_group from the model config
     read_route_scale: bool = False  # routed_scaling_factor from the model config
     selection_bias: str | None = None  # the router's buffer added to scores for selection only
+    # Where the selection bias lives: None on the router, "" on the block itself, else a
+    # submodule path under the block (DeepSpeed's `e_score_correction_bias_path`).
+    selection_bias_path: str | None = None
 
 
 PRESETS: dict[str, MoEPreset] = {

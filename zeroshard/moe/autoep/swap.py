@@ -77,8 +77,10 @@ def replace_moe_layers(model: nn.Module, cfg: Any, world_size: int | None = None
         # at a time) so the experts are copied from their real values; the engine adopts the
         # kept parts (shared experts) afterwards as it does every Init parameter.
         gather_partitioned(list(module.parameters()))
-        layer = AutoEPMoELayer(module, settings, cfg.autoep_size, ep_rank, name)
+        layer = AutoEPMoELayer(module, settings, cfg.autoep_size, ep_rank, name=name)
         layer.count_tokens = cfg.load_balance_coeff is not None
+        if layer.count_tokens:
+            layer.router.bias_to_buffer()
         layer.set_expert_kernels(cfg.use_grouped_mm, cfg.disable_triton_grouped_mm, cfg.combine_impl)
         if settings.preset.expert_modules:
             # One module per expert: the activation is each expert's (GroupedExperts reads
