@@ -68,3 +68,49 @@ def test_untested_client_optimizer_with_the_permission_steps_like_the_unwrapped_
     for (name, got), want in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
         # fp32 both ways, world 1: the same additions in the same order.
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=name)
+
+
+# --- A config without a model or an optimizer: DeepSpeed tests/unit/runtime/test_ds_config_dict.py
+# TestNoModel (refused) and TestInitNoOptimizer / test_ds_initialize.py TestNoOptim.
+
+def test_initialize_without_a_model_is_refused():
+    with pytest.raises(ValueError, match="model= is required"):
+        deepspeed.initialize(model=None, config={"train_batch_size": 2}, dist_init_required=False)
+    with pytest.raises(ValueError, match="model= is required"):  # DeepSpeed's first positional is args
+        deepspeed.initialize(SimpleModel(), config={"train_batch_size": 2}, dist_init_required=False)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_engine_without_an_optimizer_runs_forward_and_backward_and_refuses_step(stage):
+    # Deliberate difference (the guide): DeepSpeed refuses backward at stage 0 and initialize
+    # at stages 1-2; zeroshard computes the gradients and refuses only the step.
+    torch.manual_seed(0)
+    model = SimpleModel()
+    reference = SimpleModel()
+    reference.load_state_dict(model.state_dict())
+    engine, optimizer, *_ = deepspeed.initialize(
+        model=model, config={"train_batch_size": 2, "zero_optimization": {"stage": stage}}, dist_init_required=False
+    )
+    assert optimizer is None
+    loss = engine(*batch())
+    want = reference(*batch())
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)  # fp32, one process: the same ops
+    engine.backward(loss)
+    want.backward()
+    for (name, param), ref in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(deepspeed.utils.safe_get_full_grad(param), ref.grad, rtol=0, atol=1e-7, msg=name)
+    with pytest.raises(RuntimeError, match=r"engine.step\(\): no optimizer. Set 'optimizer' in the config"):
+        engine.step()
+
+
+# --- save_checkpoint into an empty directory name: DeepSpeed tests/unit/checkpoint/
+# test_tag_validation.py TestSaveCheckpointInvalidDir (ValueError for None and "").
+
+@pytest.mark.parametrize("save_dir", [None, ""])
+def test_save_checkpoint_refuses_an_empty_directory_name(save_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # before: "" wrote the checkpoint into the working directory
+    engine, *_ = deepspeed.initialize(model=SimpleModel(), config={
+        "train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1.5e-4}}}, dist_init_required=False)
+    with pytest.raises(ValueError, match=rf"save_dir={save_dir!r}: must be a non-empty path"):
+        engine.save_checkpoint(save_dir=save_dir)
+    assert list(tmp_path.iterdir()) == []
