@@ -114,3 +114,16 @@ def test_save_checkpoint_refuses_an_empty_directory_name(save_dir, tmp_path, mon
     with pytest.raises(ValueError, match=rf"save_dir={save_dir!r}: must be a non-empty path"):
         engine.save_checkpoint(save_dir=save_dir)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- Unmanaged accumulation refuses coalesce_grad_reduction: DeepSpeed tests/unit/v1/zero/
+# test_zero_user_backward.py TestUnmanagedGradientAccumulationCoalesceValidation (stages 1, 2).
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_unmanaged_accumulation_refuses_coalesce_grad_reduction(stage):
+    engine, *_ = deepspeed.initialize(model=SimpleModel(), config={
+        "train_batch_size": 1, "managed_gradient_accumulation": False, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}, dist_init_required=False)
+    with pytest.raises(RuntimeError, match="coalesce_grad_reduction.*managed_gradient_accumulation false"):
+        with engine.coalesce_grad_reduction():
+            pass
