@@ -127,3 +127,39 @@ def test_unmanaged_accumulation_refuses_coalesce_grad_reduction(stage):
     with pytest.raises(RuntimeError, match="coalesce_grad_reduction.*managed_gradient_accumulation false"):
         with engine.coalesce_grad_reduction():
             pass
+
+
+# --- scale_wrt_gas with accumulation: DeepSpeed tests/unit/v1/zero/test_zero_user_backward.py
+# test_grad_accumulation (plain loss.backward is divided by the steps) and
+# test_grad_accumulation_scale_wrt_gas_false (engine.backward(loss, scale_wrt_gas=False) is not).
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("how", ["plain", "scale_wrt_gas_false"])
+def test_accumulated_gradient_at_the_boundary_matches_the_unwrapped_model(stage, how):
+    steps = 4
+    torch.manual_seed(0)
+    model = SimpleModel()
+    reference = SimpleModel()
+    reference.load_state_dict(model.state_dict())
+    engine, *_ = deepspeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": steps,
+        "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+        dist_init_required=False)
+    torch.manual_seed(2)
+    batches = [(torch.randn(2, 4), torch.randint(0, 4, (2,))) for _ in range(steps)]
+    for i, (x, y) in enumerate(batches):
+        loss = engine(x, y)
+        if how == "plain":
+            loss.backward()
+            (reference(x, y) / steps).backward()
+        else:
+            engine.backward(loss, scale_wrt_gas=False)
+            reference(x, y).backward()
+        assert engine.is_gradient_accumulation_boundary() == (i == steps - 1)
+        if i == steps - 1:
+            for (name, param), ref in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
+                # fp32 in both; the engine sums the micro-steps in its own buffer: a few ulps apart.
+                got = deepspeed.utils.safe_get_full_grad(param)
+                torch.testing.assert_close(got, ref.grad, rtol=1e-6, atol=1e-7, msg=name)
+        engine.step()  # DeepSpeed's loop: step() after every micro-batch, a no-op until the boundary
+    assert engine.global_steps == 1
