@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from zeroshard.optim.cpu_adam import DeepSpeedCPUAdam
+from zeroshard.optim.muon.optimizer import Muon, ShardedMuon
 from zeroshard.optim.state_dtype_adamw import StateDtypeAdamW
 
 # Exact classes (as DeepSpeed compares them): a subclass may override `step`.
@@ -24,6 +25,8 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam,
     DeepSpeedCPUAdam, StateDtypeAdamW,
 )
+# zeroshard's own, which step whole matrices on the ranks that own them (zeroshard/optim/muon).
+ZEROSHARD_OPTIMIZERS: tuple[type, ...] = (Muon, ShardedMuon)
 
 
 def check_client_optimizer(optimizer: Any, allowed: bool) -> None:
@@ -34,7 +37,7 @@ def check_client_optimizer(optimizer: Any, allowed: bool) -> None:
     """
     if allowed or not isinstance(optimizer, torch.optim.Optimizer):
         return
-    if type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+    if type(optimizer) in ELEMENTWISE_OPTIMIZERS + ZEROSHARD_OPTIMIZERS:
         return
     known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     raise ValueError(
