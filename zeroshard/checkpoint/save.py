@@ -465,6 +465,12 @@ def save_checkpoint(
     Returns:
         The checkpoint's directory.
     """
+    if save_dir is None or os.fspath(save_dir) == "":
+        # Path("") is the working directory: DeepSpeed 0.19 refuses it rather than write there.
+        raise CheckpointError(
+            f"save_checkpoint: save_dir={save_dir!r}: must be a non-empty path. Pass the directory to "
+            "write the checkpoint into (it is created if missing)."
+        )
     save_dir = Path(save_dir)
     async_save_module.wait_for_checkpoint(f"save_checkpoint({save_dir}, tag={tag!r})")
     asynchronous = async_save_module.decoupled(engine) if async_save is None else bool(async_save)

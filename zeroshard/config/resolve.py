@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 
+from zeroshard.config.accumulation import unmanaged_accumulation_problems
 from zeroshard.config.base import _is_auto, _show
 from zeroshard.config.error import raises_deepspeed_error
 from zeroshard.config.offload import offload_stage_problems
@@ -66,6 +67,8 @@ def resolve_config(
         except ConfigError as exc:
             problems.extend(exc.problems)
     problems.extend(offload_stage_problems(cfg.zero_optimization))
+    if not tainted & {"zero_optimization", "managed_gradient_accumulation"}:
+        problems.extend(unmanaged_accumulation_problems(cfg))
     problems.extend(p for section, p in group_size_problems(cfg, world_size) if section not in tainted)
     optimizer = cfg.optimizer
     if optimizer is not None and "optimizer" not in tainted:

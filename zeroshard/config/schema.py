@@ -154,10 +154,11 @@ class ZeroshardConfig(_Section):
     wall_clock_breakdown: bool = False
     flops_profiler: dict[str, Any] | None = None
     comms_logger: dict[str, Any] | None = None
+    # Permits a user optimizer outside zeroshard.optim.untested's list (DeepSpeed's key).
+    zero_allow_untested_optimizer: bool = False
     # Accepted, no effect: logging, monitoring and permission knobs.
     memory_breakdown: bool = False
     dump_state: bool = False
-    zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     vocabulary_size: JsonInt | None = None
     # Monitors (zeroshard/config/monitor.py; the writers are zeroshard/monitor/).
@@ -178,7 +179,7 @@ class ZeroshardConfig(_Section):
 
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
         {
-            "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
+            "memory_breakdown", "dump_state",
             "zero_force_ds_cpu_optimizer", "vocabulary_size", "aio", "timers",
             "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "log_level",
         }

@@ -8,6 +8,7 @@ read as a number or a boolean. ``zeroshard.config.schema`` walks a raw config th
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -132,11 +133,13 @@ class FP16Config(_Section):
 
     enabled: bool = False
     loss_scale: float = Field(0.0, ge=0)
-    initial_scale_power: JsonInt = Field(16, ge=0, le=126)
-    loss_scale_window: JsonInt = Field(1000, ge=1)
-    hysteresis: JsonInt = Field(2, ge=1)
+    # The dynamic-scaling knobs' ranges are checked only where dynamic scaling is in force
+    # (check_extra): DeepSpeed 0.19 accepts any value beside a static scale or with fp16 off.
+    initial_scale_power: JsonInt = 16
+    loss_scale_window: JsonInt = 1000
+    hysteresis: JsonInt = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0)
+    min_loss_scale: float = 1.0
     fused_mode: bool = True
 
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"fused_mode"})
@@ -149,6 +152,36 @@ class FP16Config(_Section):
         "auto_cast": _Unsupported(_equals(False), "Inputs are not cast by the engine; cast them yourself."),
         "fp16_master_weights_and_grads": _Unsupported(_equals(False), "Master weights stay fp32 with fp16."),
     }
+    # (key, lowest, highest, how the bound reads): the ranges the dynamic scaler needs.
+    _DYNAMIC_RANGES: ClassVar[tuple[tuple[str, float, float, str], ...]] = (
+        ("initial_scale_power", 0, 126, "between 0 and 126 (2**power must be a finite float)"),
+        ("loss_scale_window", 1, math.inf, "at least 1"),
+        ("hysteresis", 1, math.inf, "at least 1"),
+        ("min_loss_scale", math.nextafter(0.0, 1.0), math.inf, "greater than 0"),
+    )
+
+    @field_validator("loss_scale", "min_loss_scale")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        # DeepSpeed 0.19 refuses a non-finite scale or floor whatever the mode.
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number. Write a positive number (loss_scale: 0 is dynamic scaling)")
+        return value
+
+    @classmethod
+    def check_extra(cls, raw: dict[str, Any], path: str, report: _Report) -> None:
+        scale = raw.get("loss_scale", 0)
+        if raw.get("enabled") is not True or scale != 0 or isinstance(scale, bool):
+            return  # a static scale or fp16 off: the knobs are accepted, no effect (schema.py)
+        for key, low, high, bound in cls._DYNAMIC_RANGES:
+            value = raw.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue  # a type error, reported by pydantic
+            if not low <= value <= high:
+                report.problems.append(
+                    f"{_join(path, key)}={_show(value)}: must be {bound} with dynamic loss scaling "
+                    f"(fp16 enabled, loss_scale 0). Change it, or set a static fp16.loss_scale."
+                )
 
 
 class BF16Config(_Section):

@@ -37,6 +37,7 @@ from zeroshard.moe.utils import (
 from zeroshard.optim import build_optimizer as build_named_optimizer
 from zeroshard.optim import repoint_optimizer
 from zeroshard.optim.muon import optimizer as muon
+from zeroshard.optim.untested import check_client_optimizer
 from zeroshard.precision.loss_scale import LossScaler
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
 from zeroshard.sharding.flat import FlatParamGroup
@@ -240,9 +241,12 @@ def build_optimizer(
         params_cfg = config.optimizer.params if optimizer is None else None
         return muon.build_muon(params_cfg, param_groups, flats, state_dtype)
     if isinstance(optimizer, torch.optim.Optimizer):
+        check_client_optimizer(optimizer, config.zero_allow_untested_optimizer)
         return repoint_optimizer(optimizer, masters_by_group)
     if callable(optimizer):
-        return optimizer(param_groups)
+        built = optimizer(param_groups)
+        check_client_optimizer(built, config.zero_allow_untested_optimizer)
+        return built
     if config.optimizer is not None and placement == "host":
         return build_host_optimizer(config.optimizer.type, dict(config.optimizer.params), param_groups, state_dtype)
     if config.optimizer is not None:

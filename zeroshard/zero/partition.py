@@ -16,6 +16,8 @@ same model constructor).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +102,18 @@ def partition(p: nn.Parameter, spec: PartitionSpec) -> None:
         p.data = torch.empty(0, dtype=part.dtype, device=HOST)
     p.ds_shape, p.ds_numel, p.ds_tensor = shape, numel, part
     setattr(p, _INFO, spec)
+    p.convert_to_zero_parameters = functools.partial(convert_to_zero_parameters, spec)
+
+
+def convert_to_zero_parameters(spec: PartitionSpec, params: Iterable[nn.Parameter]) -> None:
+    """DeepSpeed's `param.convert_to_zero_parameters(param_list)` (bound on every partitioned
+    parameter): partition parameters made after the Init context (an adapter attached to an
+    Init-built model) over the same group, each in its own dtype, as DeepSpeed leaves them;
+    those already partitioned are skipped. A collective, like `partition`."""
+    keep = PartitionSpec(spec.group, None, spec.pin)
+    for q in params:
+        if not was_partitioned(q):
+            partition(q, keep)
 
 
 def gather(p: nn.Parameter) -> None:
@@ -129,7 +143,7 @@ def adopt(p: nn.Parameter) -> None:
     The engine then builds its flat from it (and at stage 3 frees it again, shard by shard)."""
     if is_partitioned(p):
         gather(p)
-    for name in (_INFO, "ds_tensor"):
+    for name in (_INFO, "ds_tensor", "convert_to_zero_parameters"):
         if hasattr(p, name):
             delattr(p, name)
 

@@ -167,3 +167,70 @@ def scenario(stage: int, mode: str) -> dict[str, Any]:
 
 def run_all_scenarios(cases: list[tuple[int, str]]) -> list[dict[str, Any]]:
     return [scenario(stage, mode) for stage, mode in cases]
+
+
+def deepspeed_set_scenario(stage: int, mode: str, offload: bool) -> dict[str, bool]:
+    """DeepSpeed 0.19's TestTensorFragmentSet (tests/unit/runtime/zero/test_zero_tensor_fragment.py):
+    Adam; after the backward a full (and a local) weight and gradient are set, the gradient in the
+    parameter's dtype; after the step a weight, exp_avg and exp_avg_sq. Each is read back and
+    compared with torch.equal, as DeepSpeed does. Returns {check: passed}."""
+    torch.manual_seed(0)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-6}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **PRECISION_SECTIONS[mode],
+    }
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    model = Net()
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    trainable = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+    grad_dtype = next(iter(trainable.values())).dtype
+    gen = torch.Generator().manual_seed(7)  # the same values on every rank, as DeepSpeed broadcasts them
+
+    def full_value(p, dtype=torch.float32):
+        return torch.rand(getattr(p, "ds_shape", p.shape), generator=gen).to(dtype)
+
+    local_gen = torch.Generator().manual_seed(100 + dist.get_rank())  # parts differ by rank, and in size
+
+    def local_value(p):
+        return torch.rand(safe_get_local_fp32_param(p).shape, generator=local_gen)
+
+    setters = {"weight": (safe_set_full_fp32_param, safe_get_full_fp32_param),
+               "grad": (safe_set_full_grad, safe_get_full_grad)}
+    local_setters = {"weight": (safe_set_local_fp32_param, safe_get_local_fp32_param),
+                     "grad": (safe_set_local_grad, safe_get_local_grad)}
+    checks: dict[str, bool] = {}
+
+    def set_and_check(keys, when):
+        for key in keys:
+            for n, p in trainable.items():
+                if key in setters:
+                    value = full_value(p, grad_dtype if key == "grad" else torch.float32)
+                    setters[key][0](p, value)
+                    got = setters[key][1](p)
+                else:
+                    value = full_value(p)
+                    safe_set_full_optimizer_state(p, value, key)
+                    got = safe_get_full_optimizer_state(p, key)
+                checks[f"{when}/full/{key}/{n}"] = got is not None and torch.equal(value, got)
+                if key in local_setters:
+                    value = local_value(p)
+                    local_setters[key][0](p, value)
+                    got = local_setters[key][1](p)
+                else:
+                    value = local_value(p)
+                    safe_set_local_optimizer_state(p, value, key)
+                    got = safe_get_local_optimizer_state(p, key)
+                checks[f"{when}/local/{key}/{n}"] = got is not None and torch.equal(value, got)
+
+    engine.backward(engine(torch.randn(2, 6, generator=torch.Generator().manual_seed(dist.get_rank()))))
+    set_and_check(("weight", "grad"), "after_backward")
+    engine.step()
+    set_and_check(("weight", "exp_avg", "exp_avg_sq"), "after_step")
+    return checks
+
+
+def run_deepspeed_set_scenarios(cases: list[tuple[int, str, bool]]) -> list[dict[str, bool]]:
+    return [deepspeed_set_scenario(*case) for case in cases]

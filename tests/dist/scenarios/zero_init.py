@@ -155,3 +155,60 @@ def train_scaled_model() -> dict[str, Any]:
         results[label] = full_module_params(engine)
         results[label + "_buffer"] = engine.module[0].inv_freq.clone()
     return results
+
+
+class MixedDtypeAdapterModule(nn.Module):
+    """DeepSpeed 0.19's tests/unit/runtime/zero/test_zero_autocast_mixed_dtype.py model: a frozen
+    base weight built under Init, and two fp32 adapter matrices attached after the context and
+    handed to it with `base_weight.convert_to_zero_parameters([...])`."""
+
+    def __init__(self, hidden_dim: int) -> None:
+        super().__init__()
+        self.hidden_dim = hidden_dim
+        self.base_weight = nn.Parameter(torch.randn(hidden_dim, hidden_dim) * 0.01, requires_grad=False)
+
+    def attach_fp32_adapter(self, rank: int) -> None:
+        self.adapter_a = nn.Parameter(torch.randn(rank, self.hidden_dim) * 0.01)
+        self.adapter_b = nn.Parameter(torch.randn(self.hidden_dim, rank) * 0.01)
+        self.base_weight.convert_to_zero_parameters([self.adapter_a, self.adapter_b])
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        base = nn.functional.linear(x, self.base_weight)
+        adapter = nn.functional.linear(nn.functional.linear(x, self.adapter_a), self.adapter_b) / self.adapter_a.shape[0]
+        return nn.functional.mse_loss((base + adapter).float(), target.float())
+
+
+def fp32_adapter_on_bf16_base() -> dict[str, Any]:
+    """DeepSpeed's TestZero3AutocastMixedDtype loop; returns what its assertions read, and the
+    full values the engine computed with (for a plain-torch reference on the test side)."""
+    from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "torch_autocast": {"enabled": True, "dtype": str(torch.bfloat16), "lower_precision_safe_modules": [
+            f"{MixedDtypeAdapterModule.__module__}.{MixedDtypeAdapterModule.__name__}"]},
+        "zero_allow_untested_optimizer": True,  # not needed for AdamW; DeepSpeed's config has no such key
+    }
+    torch.manual_seed(0)
+    with zeroshard.zero.Init(config_dict_or_path=config):
+        model = MixedDtypeAdapterModule(8)
+    model.attach_fp32_adapter(rank=4)
+    out: dict[str, Any] = {"adapter_parts": [model.adapter_a.ds_tensor.dtype, model.adapter_a.numel()]}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = zeroshard.initialize(config=config, model=model, model_parameters=trainable,
+                                      optimizer=torch.optim.AdamW(trainable, lr=0.1))
+    module = engine.module
+    with GatheredParameters(list(module.parameters())):
+        out["values"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["dtypes"] = {n: p.dtype for n, p in module.named_parameters()}
+    out["before"] = safe_get_full_fp32_param(module.adapter_a).clone()
+    gen = torch.Generator().manual_seed(1)  # the same batch on both ranks: the mean is that gradient
+    x, target = torch.randn(2, 8, generator=gen), torch.randn(2, 8, generator=gen)
+    out["batch"] = (x, target)
+    engine.backward(engine(x, target))
+    out["grads"] = {n: safe_get_full_grad(getattr(module, n)) for n in ("adapter_a", "adapter_b")}
+    engine.step()
+    out["after"] = safe_get_full_fp32_param(module.adapter_a)
+    return out

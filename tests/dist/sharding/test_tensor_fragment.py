@@ -80,3 +80,25 @@ def test_local_parts_make_the_whole(results, case) -> None:
         assert torch.equal(weight.reshape(-1), whole[0] + 1.0), name
         assert torch.equal(grad.reshape(-1), whole[1] * 3.0), name
         assert torch.equal(momentum.reshape(-1), whole[2] - 1.0), name
+
+
+# DeepSpeed 0.19's TestTensorFragmentSet, at every stage (DeepSpeed: 1-3; its local setters at
+# stage 3 only), bf16 and fp16 (fp32 reads back exactly in the scenario above), and with the
+# optimizer offloaded to the host.
+DS_CASES = [(stage, mode, False) for stage in STAGES for mode in ("bf16", "fp16")]
+DS_CASES += [(stage, "bf16", True) for stage in (1, 3)]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_set_results(dist_pool):
+    from tests.dist.scenarios.tensor_fragment import run_deepspeed_set_scenarios
+
+    per_rank = dist_pool(2).run(run_deepspeed_set_scenarios, DS_CASES, timeout=600)
+    return {case: [rank[i] for rank in per_rank] for i, case in enumerate(DS_CASES)}
+
+
+@pytest.mark.parametrize("case", DS_CASES, ids=[f"stage{s}-{m}{'-offload' if o else ''}" for s, m, o in DS_CASES])
+def test_deepspeed_set_then_get_is_exact(deepspeed_set_results, case) -> None:
+    for rank, checks in enumerate(deepspeed_set_results[case]):
+        failed = [name for name, ok in checks.items() if not ok]
+        assert checks and not failed, (rank, failed)

@@ -41,6 +41,7 @@ def runs(dist_pool):
         "muon": pool.run("tests.dist.scenarios.zero_init:build_under_init", 3, "fp32", None, MUON, timeout=TIMEOUT_S),
         "corners": pool.run("tests.dist.scenarios.zero_init:init_corners", timeout=TIMEOUT_S),
         "scaled": pool.run("tests.dist.scenarios.zero_init:train_scaled_model", timeout=TIMEOUT_S),
+        "adapter": pool.run("tests.dist.scenarios.zero_init:fp32_adapter_on_bf16_base", timeout=TIMEOUT_S),
     }
 
 
@@ -105,3 +106,32 @@ def test_corner_case_model_trains_as_without_init(runs) -> None:
         for name, value in out["plain"].items():
             assert torch.equal(out["inside"][name], value), (rank, name)
         assert torch.equal(out["inside_buffer"], out["plain_buffer"])
+
+
+def test_fp32_adapter_attached_to_an_init_built_bf16_base_trains(runs) -> None:
+    """DeepSpeed 0.19's TestZero3AutocastMixedDtype: `convert_to_zero_parameters` partitions the
+    adapters (in their own dtype, fp32), the adapter gets a non-zero gradient and the step moves
+    it. The gradient is checked against plain torch on the values the engine computed with,
+    under the same bf16 autocast (tolerance 2e-2, relative to the largest entry: bf16 matmuls
+    summed in another order, an fp32 reduction of two equal halves). zeroshard computes with the adapter in bf16 (the bf16 section's dtype)
+    where DeepSpeed keeps it fp32: a difference the migration guide lists."""
+    from tests.dist.scenarios.zero_init import MixedDtypeAdapterModule
+
+    for out in runs["adapter"]:
+        assert out["adapter_parts"] == [torch.float32, 0]  # partitioned, fp32 part, empty data
+        assert out["dtypes"]["base_weight"] == torch.bfloat16
+        reference = MixedDtypeAdapterModule(8)
+        reference.adapter_a = torch.nn.Parameter(out["values"]["adapter_a"].clone())
+        reference.adapter_b = torch.nn.Parameter(out["values"]["adapter_b"].clone())
+        reference.base_weight = torch.nn.Parameter(out["values"]["base_weight"].clone(), requires_grad=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = reference(*out["batch"])
+        loss.backward()
+        for name in ("adapter_a", "adapter_b"):
+            got = out["grads"][name]
+            assert got is not None and torch.count_nonzero(got) > 0, name
+            want = getattr(reference, name).grad.float()
+            # bf16 rounds each product to ~3 digits of the largest term: near-zero entries
+            # differ by that much in absolute terms, so atol scales with the gradient.
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item(), msg=name)
+        assert not torch.equal(out["before"], out["after"])

@@ -297,8 +297,10 @@ def test_no_effect_knob_set_to_something_warns_once():
     [
         ({"zero_optimization": {"stage": 4}},
          r"^zero_optimization\.stage=4: Input should be less than or equal to 3\.$"),
-        ({"fp16": {"hysteresis": 0}}, r"^fp16\.hysteresis=0: Input should be greater than or equal to 1\.$"),
-        ({"fp16": {"min_loss_scale": 0}}, r"^fp16\.min_loss_scale=0: Input should be greater than 0\.$"),
+        ({"fp16": {"enabled": True, "hysteresis": 0}},
+         r"^fp16\.hysteresis=0: must be at least 1 with dynamic loss scaling \(fp16 enabled, loss_scale 0\)\."),
+        ({"fp16": {"enabled": True, "min_loss_scale": 0}},
+         r"^fp16\.min_loss_scale=0: must be greater than 0 with dynamic loss scaling"),
         ({"gradient_clipping": -1}, r"^gradient_clipping=-1: Input should be greater than or equal to 0\.$"),
         ({"fp16": True}, r"^fp16=true: Input should be a valid dictionary"),
         ({"data_types": {"grad_accum_dtype": "fp64"}}, r'^data_types\.grad_accum_dtype="fp64": unknown dtype'),
