@@ -10,6 +10,7 @@ from typing import Any
 
 from zeroshard.config.suggest import did_you_mean
 from zeroshard.optim.muon.newton_schulz import DEFAULT_NS_STEPS, NS_DTYPE_NAMES, NS_METHODS
+from zeroshard.optim.muon.qk_clip.settings import qk_clip_problems
 
 DEFAULT_EXCLUDE_PATTERNS = ("embed", "lm_head")
 # MoE routers: DeepSpeed's MoE (`deepspeed_moe.gate.wg`), Hugging Face's Mixtral, Qwen3-MoE
@@ -24,7 +25,7 @@ MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps", "ns_metho
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 CONFIG_KEYS = frozenset(
     {"lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "ns_method", "betas", "eps",
-     "nesterov", "ns_steps", "ns_dtype", "muon_exclude_patterns", "muon_exclude_modules"}
+     "nesterov", "ns_steps", "ns_dtype", "muon_exclude_patterns", "muon_exclude_modules", "qk_clip"}
 )
 
 
@@ -113,6 +114,8 @@ def muon_param_problems(params: Mapping[str, Any] | None) -> list[str]:
             f"optimizer.params.muon_exclude_modules={modules!r}: must be a list of module names without "
             "dots (a parameter with one of them as a component of its dotted name uses AdamW; [] for none)."
         )
+    if "qk_clip" in params:  # MuonClip (optim/muon/qk_clip/)
+        problems.extend(qk_clip_problems(params["qk_clip"]))
     return problems
 
 

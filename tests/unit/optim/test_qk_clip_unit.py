@@ -1,0 +1,105 @@
+"""MuonClip's parts on one process: the config key, the chunked S_max against the full eager
+logit matrix, and the per-row factors against the logits they must produce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeroshard.config.resolve import resolve_config
+from zeroshard.config.schema import ConfigError
+from zeroshard.optim.muon.qk_clip import QKHeads, max_logits, parse_qk_clip, register_qk_clip_heads
+
+
+def _muon(qk_clip) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon", "params": {"qk_clip": qk_clip}}}
+
+
+def test_config_accepts_the_documented_key():
+    cfg = resolve_config(_muon({"enabled": True, "threshold": 50.0, "alpha": 0.25}))
+    settings = parse_qk_clip(cfg.optimizer.params["qk_clip"])
+    assert (settings.enabled, settings.threshold, settings.alpha) == (True, 50.0, 0.25)
+    assert parse_qk_clip(None).enabled is False
+    assert parse_qk_clip({"enabled": True}).threshold == 100.0
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"enabled": True, "threshold": 0}, ["qk_clip.threshold=0", "> 0"]),
+    ({"enabled": True, "alpha": 1.5}, ["qk_clip.alpha=1.5", "[0, 1]"]),
+    ({"enabled": "yes"}, ["qk_clip.enabled='yes'", "true or false"]),
+    ({"enabled": True, "treshold": 10}, ["qk_clip.treshold: unknown key", "threshold"]),
+    (True, ["qk_clip=True", "must be an object"]),
+])
+def test_config_errors_name_the_key_and_the_fix(value, words):
+    with pytest.raises(ConfigError) as info:
+        resolve_config(_muon(value))
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def _full_max(query, key, scaling, mask=None, causal=False):
+    group = query.shape[1] // key.shape[1]
+    logits = (query.double() @ key.double().repeat_interleave(group, 1).transpose(-1, -2)) * scaling
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.double()
+    if causal:
+        lq, lk = logits.shape[-2:]
+        logits = logits.masked_fill(torch.ones(lq, lk, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    return logits.amax(dim=(0, 2, 3))
+
+
+@pytest.mark.parametrize("chunk", [1, 50, 1 << 22])  # one query row per chunk .. everything at once
+def test_chunked_max_equals_the_full_logit_matrix(chunk):
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 6, 9, 8), torch.randn(2, 3, 9, 8)  # GQA: 2 query heads per key head
+    bool_mask = torch.rand(2, 1, 9, 9) > 0.3
+    bool_mask[..., 0] = True  # every row attends somewhere
+    additive = torch.where(bool_mask, 0.0, -1e4).float()
+    for mask, causal in ((None, True), (None, False), (bool_mask, False), (additive, False)):
+        got = max_logits(q, k, 0.35, mask, causal, chunk_elements=chunk)
+        torch.testing.assert_close(got.double(), _full_max(q, k, 0.35, mask, causal), rtol=1e-6, atol=1e-6)
+
+
+def _logits(heads: QKHeads, wq, wk, x, k_rope=None):
+    """Per query head, the logits x W_q^T . (x W_k^T)^T for GQA, or MLA's nope+rope split."""
+    if heads.kind == "mla":
+        q = (x @ wq.T).view(-1, heads.num_heads, heads.nope_dim + heads.rope_dim)
+        kv = (x @ wk.T).view(-1, heads.num_heads, heads.nope_dim + heads.v_dim)[..., : heads.nope_dim]
+        nope = torch.einsum("shd,thd->hst", q[..., : heads.nope_dim], kv)
+        return nope + torch.einsum("shd,td->hst", q[..., heads.nope_dim :], k_rope)
+    q = (x @ wq.T).view(-1, heads.num_heads, heads.head_dim)
+    k = (x @ wk.T).view(-1, heads.num_kv_heads, heads.head_dim).repeat_interleave(
+        heads.num_heads // heads.num_kv_heads, 1)
+    return torch.einsum("shd,thd->hst", q, k)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0, 0.8])
+@pytest.mark.parametrize("kind", ["mha", "gqa", "mla"])
+def test_row_factors_scale_each_heads_logits_by_its_own_gamma(kind, alpha):
+    torch.manual_seed(1)
+    x = torch.randn(5, 12, dtype=torch.float64)
+    gamma = torch.tensor([0.5, 1.0, 0.25, 1.0], dtype=torch.float64)  # heads 1, 3 under tau
+    k_rope = None
+    if kind == "mla":
+        heads = QKHeads("mla", ("q",), ("k",), 4, 4, nope_dim=3, rope_dim=2, v_dim=4)
+        wq, wk, k_rope = torch.randn(4 * 5, 12).double(), torch.randn(4 * 7, 12).double(), torch.randn(5, 2).double()
+    else:
+        kv = 4 if kind == "mha" else 2
+        heads = QKHeads("gqa", ("q",), ("k",), 4, kv, head_dim=3)
+        wq, wk = torch.randn(12, 12).double(), torch.randn(kv * 3, 12).double()
+    factors = heads.row_scales(gamma, alpha)
+    before = _logits(heads, wq, wk, x, k_rope)
+    after = _logits(heads, wq * factors["q"].unsqueeze(1), wk * factors["k"].unsqueeze(1), x, k_rope)
+    torch.testing.assert_close(after, before * gamma.view(-1, 1, 1), rtol=1e-12, atol=1e-12)
+    if kind == "mha":  # Kimi K2's split: query by gamma^alpha, key by gamma^(1 - alpha)
+        torch.testing.assert_close(factors["q"].view(4, 3)[:, 0], gamma**alpha)
+        torch.testing.assert_close(factors["k"].view(4, 3)[:, 0], gamma ** (1 - alpha))
+
+
+def test_register_refuses_a_missing_parameter():
+    attn = torch.nn.Module()
+    attn.wq = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="no parameter 'wk.weight'"):
+        register_qk_clip_heads(attn, query="wq.weight", key="wk.weight", num_heads=2, head_dim=4)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        QKHeads("gqa", ("wq.weight",), ("wq.weight",), 3, 2, 4)
