@@ -86,6 +86,8 @@ CASES = {
             for stage, ep, ga, off, qk in _orthogonal_array(flip)]
     for world, flip in ((2, 0), (4, 1))
 }
+# The first world-2 row again without gradient clipping (test_gradient_clipping_*).
+CASES[2].append(MuonCase(1, 0, ga=1, clip=0.0))
 
 
 @functools.cache  # read-only results, shared by the cases with the same reference
@@ -167,6 +169,27 @@ def test_newton_schulz_runs_once_per_matrix_per_step(runs, world, case):
     for step in range(STEPS):
         total = sum(runs[world][rank][CASES[world].index(case)]["ns_matrices"][step] for rank in range(world))
         assert total == want, f"W={world} {case.label} step {step + 1}: {total} matrices orthogonalized, want {want}"
+
+
+def test_gradient_clipping_rescales_muons_input_not_its_update(runs):
+    """Clipping multiplies the reduced gradient by c = clip / norm before the optimizer; Muon's
+    Newton-Schulz normalises its input, so a step whose u is one scaled gradient (the first:
+    u = (1 - beta) c g) is the unclipped step. Later, m holds earlier gradients at their own
+    c, so clipping re-weights the momentum: the update differs (and matches the reference,
+    which clips the same way; docs/muon.md "Gradient clipping"). Tolerance 4 x PARAM_ATOL at
+    step 1: Newton-Schulz divides by the norm + 1e-7, so the 0.01-scale expert's clipped
+    gradient (norm ~1e-4) is scale-invariant only to ~1e-3 relative (6e-6 seen)."""
+    clipped, plain = (CASES[2].index(c) for c in (MuonCase(1, 0, ga=1), MuonCase(1, 0, ga=1, clip=0.0)))
+    model = build_model(1, 0, full_stack=True)
+    muon = [n for n, p in global_names(model).items() if ref.is_muon(n, p)]
+    first, second = (
+        [(runs[2][0][i]["masters"][step]) for i in (clipped, plain)] for step in (0, 1)
+    )
+    for name in muon:
+        torch.testing.assert_close(first[0][name], first[1][name], rtol=0, atol=4 * PARAM_ATOL,
+                                   msg=lambda m, n=name: f"step 1 {n}: clipping changed Muon's update: {m}")
+    gaps = {n: (second[0][n] - second[1][n]).abs().max().item() for n in muon}
+    assert max(gaps.values()) > 100 * PARAM_ATOL, f"step 2: clipping left the momentum's weights alone: {gaps}"
 
 
 def test_local_expert_stacks_sharded_over_two_ranks_at_world_four(runs):

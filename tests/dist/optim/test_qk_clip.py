@@ -30,11 +30,12 @@ ATOL, S_RTOL = 2e-5, 1e-4
 CASES = [
     ClipCase("llama", stage=0, ga=2),
     ClipCase("llama", stage=1, ga=1, clip=0.5),
-    ClipCase("llama", stage=2, ga=2, offload=True),
-    ClipCase("llama", stage=3, ga=2, attn="eager"),
+    ClipCase("llama", stage=2, ga=1, offload=True),
+    ClipCase("llama", stage=3, ga=1, attn="eager"),
     ClipCase("deepseek", stage=3, ga=1),
     ClipCase("llama", stage=2, ga=1, muon_lr=0.0, adam_lr=0.0),  # only the clip moves q/k: exact S_max <= tau
     ClipCase("deepseek", stage=1, ga=1, muon_lr=0.0, adam_lr=0.0),
+    ClipCase("llama", stage=2, ga=1, muon_lr=0.0, adam_lr=0.0, bf16=True),  # fp32 masters, bf16 forward
 ]
 
 
@@ -117,7 +118,7 @@ def runs(dist_pool):
     return dist_pool(WORLD).run(train_cases, CASES, timeout=600)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case", [c for c in CASES if not c.bf16], ids=lambda c: c.label)
 def test_qk_clip_equals_float64_reference(runs, case):
     index = CASES.index(case)
     history, s_hist, _ = reference_run(case)
@@ -140,7 +141,10 @@ def test_clipped_heads_end_at_tau_and_others_unchanged(runs, case):
     (whose input no clip changes), S_max = tau for every clipped head and the unchanged S_max
     for the others (GQA: a head under tau sharing its key head with a clipped one keeps its
     logits). Deeper layers see inputs the clip above them changed, so there S_max <= tau is
-    only approximate (as in Kimi K2); the first layer's is exact."""
+    only approximate (as in Kimi K2); the first layer's is exact. Under bf16 the engine
+    measures S_max on bf16 logits (8 bits of mantissa: ~0.4% relative) and rescales the fp32
+    masters, which it then publishes to the bf16 parameters: tolerance 2% there."""
+    rtol = 2e-2 if case.bf16 else 1e-5
     index = CASES.index(case)
     model = MODELS[case.model]("eager").double()
     data = batches(WORLD, case.steps, case.ga)
@@ -155,5 +159,11 @@ def test_clipped_heads_end_at_tau_and_others_unchanged(runs, case):
         after = s_max_of(model, [ids for rank in data[step] for ids in rank])[:heads]
         want = torch.where(before > TAU, torch.full_like(before, TAU), before)
         kinds |= {bool(s > TAU) for s in before}
-        torch.testing.assert_close(after, want, rtol=1e-5, atol=0, msg=lambda m, s=step: f"{case.label} step {s + 1}: {m}")
+        torch.testing.assert_close(after, want, rtol=rtol, atol=0,
+                                   msg=lambda m, s=step: f"{case.label} step {s + 1}: {m}")
     assert kinds == {True, False}, f"{case.label}: the steps saw heads over and under tau: {kinds}"
+    if runs[0][index]["published"] is not None:
+        query = "q_proj" if case.model == "llama" else "q_b_proj"
+        master = runs[0][index]["masters"][-1][f"model.layers.0.self_attn.{query}.weight"]
+        dtype = torch.bfloat16 if case.bf16 else torch.float32
+        assert torch.equal(runs[0][index]["published"], master.to(dtype)), f"{case.label}: the clip was not published"

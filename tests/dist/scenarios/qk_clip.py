@@ -116,5 +116,10 @@ def train_cases(cases: list[ClipCase]) -> list[dict[str, Any]]:
                 engine.step()
             s_max.append(engine.qk_clip.last_max.clone())
             masters.append({n: zeroshard.safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()})
-        results.append({"masters": masters, "s_max": s_max, "modules": list(engine.qk_clip.names)})
+        published = None
+        if case.stage < 3:  # the module's own (bf16) query weight after the last step
+            published = engine.module.model.layers[0].self_attn.get_parameter(
+                "q_proj.weight" if case.model == "llama" else "q_b_proj.weight").detach().clone()
+        results.append({"masters": masters, "s_max": s_max, "modules": list(engine.qk_clip.names),
+                        "published": published})
     return results

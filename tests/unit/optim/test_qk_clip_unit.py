@@ -103,3 +103,29 @@ def test_register_refuses_a_missing_parameter():
         register_qk_clip_heads(attn, query="wq.weight", key="wk.weight", num_heads=2, head_dim=4)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         QKHeads("gqa", ("wq.weight",), ("wq.weight",), 3, 2, 4)
+
+
+def test_fused_qkv_of_the_demo_model_scales_query_and_key_rows_only():
+    """nanoGPT's c_attn [3C, C] (query rows, then key, then value): each head's logits scale
+    by its gamma (weights and biases), the value rows keep factor 1."""
+    from zeroshard.demo.model import GPTConfig
+    from zeroshard.optim.muon.qk_clip import attention_modules
+
+    torch.manual_seed(2)
+    from zeroshard.demo.model import CausalSelfAttention
+
+    attn = CausalSelfAttention(GPTConfig(n_embd=16, n_head=4, block_size=8)).double()
+    [(_, _, heads)] = list(attention_modules(attn))
+    gamma = torch.tensor([0.3, 1.0, 0.7, 1.0], dtype=torch.float64)
+    rows = {"c_attn.weight": 48, "c_attn.bias": 48}
+    factors = heads.row_factors(gamma, 0.5, rows)
+    x = torch.randn(5, 16, dtype=torch.float64)
+
+    def logits(w, b):
+        q, k, _ = (x @ w.T + b).split(16, dim=1)
+        return torch.einsum("shd,thd->hst", q.view(5, 4, 4), k.view(5, 4, 4))
+
+    w, b = attn.c_attn.weight.detach(), attn.c_attn.bias.detach()
+    after = logits(w * factors["c_attn.weight"].unsqueeze(1), b * factors["c_attn.bias"])
+    torch.testing.assert_close(after, logits(w, b) * gamma.view(-1, 1, 1), rtol=1e-12, atol=1e-12)
+    assert torch.equal(factors["c_attn.weight"][32:], torch.ones(16, dtype=torch.float64))

@@ -69,7 +69,7 @@ class QKClip:
                 where[id(p)] = (flat, index)
         self.targets: list[_Target] = []
         for m_index, (name, module, heads) in enumerate(found):
-            for pname in heads.query + heads.key:
+            for pname in dict.fromkeys(heads.query + heads.key):  # a fused weight once
                 p = module.get_parameter(pname)
                 if id(p) not in where:
                     raise ValueError(
@@ -101,10 +101,13 @@ class QKClip:
         tau, alpha = self.settings.threshold, self.settings.alpha
         # gamma = tau / S_max where S_max > tau, else exactly 1 (the head is not touched).
         gamma = torch.where(s_max > tau, tau / s_max.clamp(min=tau), torch.ones_like(s_max))
+        rows: list[dict[str, int]] = [{} for _ in self.heads]
+        for t in self.targets:
+            rows[t.module_index][t.pname] = t.rows
         scales: list[dict[str, torch.Tensor]] = []
         start = 0
-        for heads in self.heads:
-            scales.append(heads.row_scales(gamma[start : start + heads.num_heads], alpha))
+        for index, heads in enumerate(self.heads):
+            scales.append(heads.row_factors(gamma[start : start + heads.num_heads], alpha, rows[index]))
             start += heads.num_heads
         for t in self.targets:
             self._scale_master(t, scales[t.module_index][t.pname])
@@ -119,9 +122,6 @@ class QKClip:
         lo, hi = common
         part = flat.master.narrow(0, lo - master_start, hi - lo)
         cols = t.numel // t.rows
-        if row_scale.dim() == 0:  # one factor for the whole parameter (QK-norm weights)
-            factor = row_scale.to(part.device, torch.float64)
-        else:
-            rows = torch.arange(lo - t.offset, hi - t.offset, device=row_scale.device) // cols
-            factor = row_scale[rows].to(part.device)
+        rows = torch.arange(lo - t.offset, hi - t.offset, device=row_scale.device) // cols
+        factor = row_scale[rows].to(part.device)
         part.copy_((part.double() * factor).to(part.dtype))

@@ -33,6 +33,9 @@ class QKHeads:
         num_heads, num_kv_heads, head_dim: query heads, key heads, rows per head of `key`
             (and of `query` for "gqa").
         nope_dim, rope_dim, v_dim: MLA's per-head split.
+        query_offset, key_offset: the first row of the query (key) heads in their parameters:
+            0, unless query, key and value share one fused weight (nanoGPT's `c_attn`:
+            query rows at 0, key rows at num_heads * head_dim).
     """
 
     kind: str
@@ -44,6 +47,8 @@ class QKHeads:
     nope_dim: int = 0
     rope_dim: int = 0
     v_dim: int = 0
+    query_offset: int = 0
+    key_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -55,48 +60,55 @@ class QKHeads:
             )
 
     def row_scales(self, gamma: torch.Tensor, alpha: float) -> dict[str, torch.Tensor]:
-        """Per parameter name, the factor of each of its output rows so that query head h's
-        logits scale by exactly gamma[h] (gamma: [num_heads], 1.0 for heads under the threshold).
+        """Per query/key parameter name, the factor of each of its head rows (a 0-d factor for
+        the whole parameter with "qk_norm") so that query head h's logits scale by exactly
+        gamma[h] (gamma: [num_heads], 1.0 for heads under the threshold). A fused weight
+        named as both query and key gets its key factors here (see `row_factors`).
 
         Grouped query: a key head shared by a group takes the group's smallest gamma to the
         power 1 - alpha, and each query head the rest of its own gamma, so heads under the
         threshold keep their logits (their query scale is 1 / the key's).
         """
-        gamma = gamma.double()
-        scales: dict[str, torch.Tensor] = {}
+        q_rows, k_rows = self._role_rows(gamma.double(), alpha)
+        return {**{name: q_rows for name in self.query}, **{name: k_rows for name in self.key}}
+
+    def row_factors(self, gamma: torch.Tensor, alpha: float, rows: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Per parameter name, the factor of every one of its `rows[name]` output rows: the
+        query and key factors at their offsets, 1 elsewhere (a fused weight's value rows)."""
+        q_rows, k_rows = self._role_rows(gamma.double(), alpha)
+        full = {name: torch.ones(count, dtype=torch.float64, device=gamma.device) for name, count in rows.items()}
+        for names, offset, factor in ((self.query, self.query_offset, q_rows), (self.key, self.key_offset, k_rows)):
+            for name in names:
+                if factor.dim() == 0:
+                    full[name] *= factor
+                else:
+                    full[name][offset : offset + factor.numel()] = factor
+        return full
+
+    def _role_rows(self, gamma: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kind == "qk_norm":
             g = gamma.min()
-            for name in self.query:
-                scales[name] = g ** alpha
-            for name in self.key:
-                scales[name] = g ** (1.0 - alpha)
-            return scales
+            return g**alpha, g ** (1.0 - alpha)
         if self.kind == "mla":
-            q = torch.stack([gamma ** alpha, gamma], dim=1).repeat_interleave(
+            q = torch.stack([gamma**alpha, gamma], dim=1).repeat_interleave(
                 torch.tensor([self.nope_dim, self.rope_dim], device=gamma.device), dim=1)
             k = torch.stack([gamma ** (1.0 - alpha), torch.ones_like(gamma)], dim=1).repeat_interleave(
                 torch.tensor([self.nope_dim, self.v_dim], device=gamma.device), dim=1)
-            q_rows, k_rows = q.reshape(-1), k.reshape(-1)
-        else:
-            group = self.num_heads // self.num_kv_heads
-            key_factor = gamma.view(self.num_kv_heads, group).amin(dim=1) ** (1.0 - alpha)
-            query_factor = gamma / key_factor.repeat_interleave(group)
-            q_rows = query_factor.repeat_interleave(self.head_dim)
-            k_rows = key_factor.repeat_interleave(self.head_dim)
-        for name in self.query:
-            scales[name] = q_rows
-        for name in self.key:
-            scales[name] = k_rows
-        return scales
+            return q.reshape(-1), k.reshape(-1)
+        group = self.num_heads // self.num_kv_heads
+        key_factor = gamma.view(self.num_kv_heads, group).amin(dim=1) ** (1.0 - alpha)
+        query_factor = gamma / key_factor.repeat_interleave(group)
+        return query_factor.repeat_interleave(self.head_dim), key_factor.repeat_interleave(self.head_dim)
 
 
 def register_qk_clip_heads(
     module: nn.Module, query: str | tuple[str, ...], key: str | tuple[str, ...], num_heads: int,
-    head_dim: int, num_kv_heads: int | None = None,
+    head_dim: int, num_kv_heads: int | None = None, query_offset: int = 0, key_offset: int = 0,
 ) -> QKHeads:
     """Tell MuonClip which weights make a custom attention module's logits (multi-head or
     grouped-query: the query weight's output rows are [num_heads, head_dim], the key's
-    [num_kv_heads, head_dim]). The module must report its logits: call it with the module as
+    [num_kv_heads, head_dim], from row `query_offset` / `key_offset` when query, key and value
+    share one fused weight). The module must report its logits: call it with the module as
     the first argument of a Hugging Face attention function, or call
     `zeroshard.optim.muon.qk_clip.record_logits(module, query, key, scaling)` in its forward.
 
@@ -105,7 +117,7 @@ def register_qk_clip_heads(
     """
     heads = QKHeads(
         "gqa", (query,) if isinstance(query, str) else tuple(query), (key,) if isinstance(key, str) else tuple(key),
-        num_heads, num_kv_heads or num_heads, head_dim,
+        num_heads, num_kv_heads or num_heads, head_dim, query_offset=query_offset, key_offset=key_offset,
     )
     for name in heads.query + heads.key:
         _parameter(module, name)
