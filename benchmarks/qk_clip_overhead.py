@@ -64,7 +64,7 @@ def _capture_cost(batch: int, heads: int, seq: int, dim: int, repeats: int) -> d
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     engines = {"muon": _engine(args.model, False), "muon+qk_clip": _engine(args.model, True)}
     block = engines["muon"].module.config.block_size

@@ -21,6 +21,7 @@ from torch import nn
 
 RECORDER_ATTR = "_zeroshard_logit_max"
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MiB in fp32): small beside the activations
+CAUSAL_ROWS = 128  # query rows per chunk under a causal mask
 _WRAPPED = "_zeroshard_qk_clip_wrapped"
 
 
@@ -64,34 +65,45 @@ def max_logits(
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scaling = dim ** -0.5 if scaling is None else float(scaling)
-    q5 = query.detach().reshape(batch, kv_heads, group, q_len, dim)
-    kt = key.detach().unsqueeze(2).transpose(-1, -2)  # [b, kv, 1, d, k]
+    q = query.detach()
+    kt = key.detach().transpose(-1, -2)  # [b, kv, d, k]: one plain batched product per chunk
     mask5 = None
     if attention_mask is not None:
         m = attention_mask
         while m.dim() < 4:
             m = m.unsqueeze(0)
         m = m[..., :k_len]
+        # [b|1, kv|1, g|1, q|1, k], to mask the logits viewed as [b, kv, g, rows, k]
         mask5 = m.reshape(m.shape[0], kv_heads, group, *m.shape[2:]) if m.shape[1] == heads else m.unsqueeze(2)
     rows = max(1, chunk_elements // max(1, batch * heads * k_len))
+    causal_only = is_causal and mask5 is None
+    if causal_only:
+        rows = min(rows, CAUSAL_ROWS)  # smaller chunks skip more of the masked upper triangle
     best = torch.full((heads,), float("-inf"), device=query.device)
     for start in range(0, q_len, rows):
         stop = min(q_len, start + rows)
-        logits = torch.matmul(q5[..., start:stop, :], kt)  # [b, kv, g, rows, k]
+        chunk = stop - start
+        # Query heads of one key head are consecutive: [b, kv, g * rows, d] against its key.
+        qc = q[:, :, start:stop, :].reshape(batch, kv_heads, group * chunk, dim)
+        # Causal: keys after the chunk's last query are masked for all of it; not computed.
+        keys = min(k_len, stop) if causal_only else k_len
+        logits = torch.matmul(qc, kt[..., :keys]).view(batch, kv_heads, group, chunk, keys)
+        additive = mask5 is not None and mask5.dtype != torch.bool
         if mask5 is not None:
             part = mask5[..., start:stop, :] if mask5.shape[-2] > 1 else mask5
-            if part.dtype == torch.bool:
-                logits = logits.masked_fill(~part, float("-inf"))
+            if additive:
+                logits = logits * scaling + part
             else:
-                logits = logits.float() * scaling + part.float()
-        if is_causal:
+                logits.masked_fill_(~part, float("-inf"))
+        if is_causal:  # only the chunk's diagonal block holds masked positions
+            first = start if causal_only else 0
             i = torch.arange(start, stop, device=query.device).unsqueeze(1)
-            j = torch.arange(k_len, device=query.device).unsqueeze(0)
-            logits = logits.masked_fill(j > i, float("-inf"))
-        chunk = logits.float().amax(dim=(0, 3, 4)).reshape(heads)
-        if mask5 is None or mask5.dtype == torch.bool:
-            chunk = chunk * scaling  # scaling > 0: the max of the scaled logits
-        best = torch.maximum(best, chunk)
+            j = torch.arange(first, keys, device=query.device)
+            logits[..., first:keys].masked_fill_(j > i, float("-inf"))
+        per_head = logits.reshape(batch, kv_heads, group, chunk * keys).amax(dim=-1).amax(dim=0).reshape(heads).float()
+        if not additive:
+            per_head = per_head * scaling  # scaling > 0: the max of the scaled logits
+        best = torch.maximum(best, per_head)
     return best
 
 
