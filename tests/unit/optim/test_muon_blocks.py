@@ -202,3 +202,21 @@ def test_single_process_per_head_update_against_float64(family):
         assert (moved + LR * ns_update(u)).abs().max() > 1e-3  # whole-matrix Muon differs
         checked += 1
     assert checked == (4 if family == "llama" else 3)
+
+
+def test_autoep_expert_stacks_are_orthogonalized_per_expert():
+    """AutoEP's swapped stacks (w1/w3 [experts, ffn, hidden], w2 [experts, hidden, ffn]) carry
+    is_expert_group, so each expert is one Newton-Schulz matrix (world 1, one process)."""
+    pytest.importorskip("transformers")
+    from zeroshard.config.expert_parallel import ExpertParallelConfig
+    from zeroshard.module_inject.auto_ep import replace_moe_layers
+
+    model = tiny("qwen3_moe")
+    replace_moe_layers(model, ExpertParallelConfig(enabled=True), world_size=1)
+    moves = one_muon_step(model.double(), _lm_loss)
+    for stack in ("w1", "w2", "w3"):
+        u, moved = moves[f"model.layers.0.mlp.experts.{stack}"]
+        assert u.shape[0] == 4
+        torch.testing.assert_close(moved, -LR * torch.stack([ns_update(e) for e in u]), rtol=0, atol=ATOL)
+        whole = -LR * ns_update(u.reshape(u.shape[0], -1)).reshape(u.shape)
+        assert (moved - whole).abs().max() > 1e-3, stack
