@@ -39,20 +39,28 @@ def clip_grads(grads: dict[str, torch.Tensor], clip: float) -> dict[str, torch.T
 
 
 def muon_step(values: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], state: dict[str, dict], step: int,
-              hp: dict, muon_rule: Callable[[str, torch.Tensor], bool] = is_muon) -> None:
-    """One step in place on float64 `values`. hp: muon_lr, adam_lr, momentum, weight_decay, betas, eps."""
+              hp: dict, muon_rule: Callable[[str, torch.Tensor], bool] = is_muon,
+              blocks: dict[str, tuple[int, int]] | None = None) -> None:
+    """One step in place on float64 `values`. hp: muon_lr, adam_lr, momentum, weight_decay, betas,
+    eps. `blocks`: name -> (count, axis) for per-head Muon (each block orthogonalized alone)."""
     b1, b2 = hp["betas"]
     for n, value in values.items():
         g, s = grads[n].double(), state.setdefault(n, {})
         if muon_rule(n, value):
             s["m"] = hp["momentum"] * s.get("m", torch.zeros_like(g)) + (1 - hp["momentum"]) * g
             u = (1 - hp["momentum"]) * g + hp["momentum"] * s["m"]
-            values[n] = value * (1 - hp["muon_lr"] * hp["weight_decay"]) - hp["muon_lr"] * orthogonalized(u)
+            if blocks and n in blocks:
+                count, axis = blocks[n]
+                o = torch.cat([orthogonalized(b) for b in u.chunk(count, dim=axis)], dim=axis)
+            else:
+                o = orthogonalized(u)
+            values[n] = value * (1 - hp["muon_lr"] * hp["weight_decay"]) - hp["muon_lr"] * o
         else:
             s["m1"] = b1 * s.get("m1", torch.zeros_like(g)) + (1 - b1) * g
             s["v"] = b2 * s.get("v", torch.zeros_like(g)) + (1 - b2) * g * g
             m_hat, v_hat = s["m1"] / (1 - b1**step), s["v"] / (1 - b2**step)
-            values[n] = value * (1 - hp["adam_lr"] * hp["weight_decay"]) - hp["adam_lr"] * m_hat / (v_hat.sqrt() + hp["eps"])
+            step_size = hp["adam_lr"] * m_hat / (v_hat.sqrt() + hp["eps"])
+            values[n] = value * (1 - hp["adam_lr"] * hp["weight_decay"]) - step_size
 
 
 def gamma_of(s_max: torch.Tensor, tau: float) -> torch.Tensor:

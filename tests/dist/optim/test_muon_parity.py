@@ -1,5 +1,5 @@
-"""One parity matrix for Muon (issue 26 item 4; folds in issue 17's MoE Muon test): with and
-without QK-clip, at ZeRO stages 0-3 x expert parallel 1 and 2 x gradient accumulation 1 and 4
+"""One parity matrix for Muon (issue 26 item 4; folds in issue 17's MoE Muon test): whole and
+per-head, with and without QK-clip, at ZeRO stages 0-3 x expert parallel 1 and 2 x gradient accumulation 1 and 4
 x optimizer offload off and on x world 2 and 4, every case equal to one process running Muon
 on the same global batches.
 
@@ -11,7 +11,9 @@ and a grouped-query attention block whose biased query projection QK-clip rescal
 The cases. Stage (4 levels) x expert parallel x accumulation x offload x QK-clip is covered
 by an orthogonal array of 8 runs per world size: every stage meets every ep_size, and every
 pair of levels of any two of the five dimensions occurs (strength 2); world 2 and world 4 use
-different arrays, so no two cases repeat a combination. Offload needs stage 1 or more (as in
+different arrays, so no two cases repeat a combination. Per-head Muon (query/key/value rows
+and the output's columns per head, through the parameter attributes) rides on the stage
+column (see `_orthogonal_array`). Offload needs stage 1 or more (as in
 DeepSpeed), so the one stage-0 row per array that asks for it runs without; every pair with
 offload on still occurs in another row. Gradient clipping (by the global
 norm, 0.5: below the gradient norm, so it acts) is on in every case.
@@ -49,6 +51,7 @@ from tests.dist.scenarios.moe_muon import (
     ALPHA,
     BETAS,
     EPS,
+    HEADS,
     KV_HEADS,
     MOMENTUM,
     MUON_LR,
@@ -65,25 +68,32 @@ from tests.dist.scenarios.moe_muon import (
 )
 
 PARAM_ATOL = 5e-6
+# Per-head Muon's blocks (count, axis): query/key/value rows per head, the output's columns.
+HEAD_BLOCKS = {"attn.wq.weight": (HEADS, 0), "attn.wk.weight": (KV_HEADS, 0), "attn.wv.weight": (KV_HEADS, 0),
+               "attn.wo.weight": (HEADS, 1)}
 HP = {"muon_lr": MUON_LR, "adam_lr": ADAM_LR, "momentum": MOMENTUM, "weight_decay": WD, "betas": BETAS, "eps": EPS}
 
 
-def _orthogonal_array(flip: int) -> list[tuple[int, int, int, int, int]]:
-    """(stage, ep_size, ga, offload, qk_clip): stage = 2a + b, ep from c, the rest from a^c,
-    b^c and a^b^c (L8's columns), `flip` permuting which of them drives which dimension."""
+def _orthogonal_array(flip: int) -> list[tuple[int, int, int, int, int, int]]:
+    """(stage, ep_size, ga, offload, qk_clip, per_head): stage = 2a + b, ep from c, the rest from
+    a^c, b^c and a^b^c (L8's columns), `flip` permuting which of them drives which dimension.
+    Per-head is a^b (flip 0) or its negation (flip 1): a function of the stage, so over both
+    worlds every stage runs both ways, and it meets every level of the other four."""
     rows = []
     for stage in range(4):
         a, b = stage >> 1, stage & 1
         for c in (0, 1):
             x, y, z = a ^ c, b ^ c, a ^ b ^ c
             ga, offload, qk = (x, y, z) if not flip else (z, x, y)
-            rows.append((stage, 1 + c, 4 if ga else 1, offload and stage > 0, qk))  # offload needs stage >= 1
+            per_head = (a ^ b) ^ flip
+            rows.append((stage, 1 + c, 4 if ga else 1, offload and stage > 0, qk, per_head))  # offload needs stage >= 1
     return rows
 
 
 CASES = {
-    world: [MuonCase(ep, stage, user_groups=stage % 2 == 1, ga=ga, offload=bool(off), qk_clip=bool(qk))
-            for stage, ep, ga, off, qk in _orthogonal_array(flip)]
+    world: [MuonCase(ep, stage, user_groups=stage % 2 == 1, ga=ga, offload=bool(off), qk_clip=bool(qk),
+                     per_head=bool(ph))
+            for stage, ep, ga, off, qk, ph in _orthogonal_array(flip)]
     for world, flip in ((2, 0), (4, 1))
 }
 # The first world-2 row again without gradient clipping (test_gradient_clipping_*).
@@ -91,7 +101,8 @@ CASES[2].append(MuonCase(1, 0, ga=1, clip=0.0))
 
 
 @functools.cache  # read-only results, shared by the cases with the same reference
-def reference_run(ep_size: int, world: int, ga: int, qk_clip: bool, clip: float) -> tuple[list[dict], list]:
+def reference_run(ep_size: int, world: int, ga: int, qk_clip: bool, clip: float,
+                  per_head: bool = False) -> tuple[list[dict], list]:
     model = build_model(ep_size, 0, full_stack=True).double()
     params = global_names(model)
     values = {n: p.detach().clone() for n, p in params.items()}
@@ -107,7 +118,7 @@ def reference_run(ep_size: int, world: int, ga: int, qk_clip: bool, clip: float)
                 (model(x.double(), y.double()) / (world * ga)).backward()
         s_max = torch.stack(model.attn.probe).amax(0)
         grads = ref.clip_grads({n: p.grad for n, p in params.items()}, clip)
-        ref.muon_step(values, grads, state, step, HP)
+        ref.muon_step(values, grads, state, step, HP, blocks=HEAD_BLOCKS if per_head else None)
         if qk_clip:
             values["attn.wq.weight"], values["attn.wk.weight"] = ref.gqa_clip(
                 values["attn.wq.weight"], values["attn.wk.weight"], ref.gamma_of(s_max, TAU), KV_HEADS, ALPHA)
@@ -121,10 +132,13 @@ def reference_run(ep_size: int, world: int, ga: int, qk_clip: bool, clip: float)
     return history, s_hist
 
 
-def muon_matrix_count() -> int:
-    """The model's Muon matrices at full size, each expert of a stack counted once."""
+def muon_matrix_count(per_head: bool) -> int:
+    """The model's Muon matrices at full size, each expert of a stack and (per head) each head
+    block counted once."""
     model = build_model(1, 0, full_stack=True)
-    return sum(p.shape[0] if p.dim() == 3 else 1 for n, p in global_names(model).items() if ref.is_muon(n, p))
+    blocks = HEAD_BLOCKS if per_head else {}
+    return sum(p.shape[0] if p.dim() == 3 else blocks.get(n, (1, 0))[0]
+               for n, p in global_names(model).items() if ref.is_muon(n, p))
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +147,7 @@ def runs(dist_pool):
 
 
 def check_against_reference(per_rank: list, case: MuonCase, world: int) -> None:
-    reference, s_hist = reference_run(case.ep_size, world, case.ga, case.qk_clip, case.clip)
+    reference, s_hist = reference_run(case.ep_size, world, case.ga, case.qk_clip, case.clip, case.per_head)
     if case.qk_clip:
         assert any((s > TAU).any() and (s <= TAU).any() for s in s_hist), f"{case.label}: want heads on both sides"
     local = NUM_EXPERTS // case.ep_size
@@ -165,7 +179,7 @@ def test_muon_equals_one_process_reference(runs, world, case):
 
 @pytest.mark.parametrize("world, case", ALL, ids=[f"W{w}-{c.label}" for w, c in ALL])
 def test_newton_schulz_runs_once_per_matrix_per_step(runs, world, case):
-    want = muon_matrix_count()
+    want = muon_matrix_count(case.per_head)
     for step in range(STEPS):
         total = sum(runs[world][rank][CASES[world].index(case)]["ns_matrices"][step] for rank in range(world))
         assert total == want, f"W={world} {case.label} step {step + 1}: {total} matrices orthogonalized, want {want}"

@@ -118,6 +118,17 @@ class MoEMuonNet(nn.Module):
         return F.mse_loss(self.head(self.norm(h)), y) + 0.01 * l_aux
 
 
+def mark_heads(model: nn.Module) -> None:
+    """Per-head Muon through the parameter attributes (optim/muon/blocks.py): query, key and
+    value rows per head, the output projection's columns per head."""
+    attn = model.attn
+    attn.wq.weight.muon_num_heads = HEADS
+    attn.wk.weight.muon_num_heads = KV_HEADS
+    attn.wv.weight.muon_num_heads = KV_HEADS
+    attn.wo.weight.muon_num_heads = HEADS
+    attn.wo.weight.muon_head_axis = 1
+
+
 def global_names(model: nn.Module) -> dict[str, nn.Parameter]:
     experts = global_expert_names(model)
     return {experts.get(id(p), name): p for name, p in model.named_parameters()}
@@ -158,12 +169,14 @@ class MuonCase:
     ga: int = 2
     offload: bool = False
     qk_clip: bool = False
+    per_head: bool = False  # attention projections orthogonalized one head block at a time
     clip: float = CLIP
 
     @property
     def label(self) -> str:
         return (f"ep{self.ep_size}-stage{self.stage}-ga{self.ga}" + ("-offload" if self.offload else "")
-                + ("-qkclip" if self.qk_clip else "") + ("-user-groups" if self.user_groups else "")
+                + ("-qkclip" if self.qk_clip else "") + ("-per-head" if self.per_head else "")
+                + ("-user-groups" if self.user_groups else "")
                 + ("" if self.clip == CLIP else f"-clip{self.clip}"))
 
 
@@ -214,6 +227,8 @@ def train_cases(cases: list[MuonCase]) -> list[dict[str, Any]]:
     results = []
     for case in cases:
         model = build_model(case.ep_size, rank % case.ep_size)
+        if case.per_head:
+            mark_heads(model)
         params = None
         if case.user_groups:
             params = split_params_into_different_moe_groups_for_optimizer(

@@ -129,3 +129,61 @@ def test_fused_qkv_of_the_demo_model_scales_query_and_key_rows_only():
     after = logits(w * factors["c_attn.weight"].unsqueeze(1), b * factors["c_attn.bias"])
     torch.testing.assert_close(after, logits(w, b) * gamma.view(-1, 1, 1), rtol=1e-12, atol=1e-12)
     assert torch.equal(factors["c_attn.weight"][32:], torch.ones(16, dtype=torch.float64))
+
+
+def _tiny_hf(family: str):
+    import transformers
+
+    common = dict(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=8, attn_implementation="eager",
+                  experts_implementation="eager")  # grouped_mm has no float64
+    if family == "mixtral":
+        config = transformers.MixtralConfig(num_local_experts=2, num_experts_per_tok=1, **common)
+        return transformers.MixtralForCausalLM(config)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, **common)
+        return transformers.Qwen3MoeForCausalLM(config)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+
+
+@pytest.mark.parametrize("family, kind, query, key", [
+    ("mixtral", "gqa", ("q_proj.weight",), ("k_proj.weight",)),
+    ("qwen3", "qk_norm", ("q_norm.weight",), ("k_norm.weight",)),
+    ("qwen3_moe", "qk_norm", ("q_norm.weight",), ("k_norm.weight",)),
+])
+def test_presets_name_the_weights_behind_the_logits(family, kind, query, key):
+    """Mixtral: GQA projections. Qwen3 and Qwen3-MoE: RMSNorm per head after q_proj/k_proj
+    cancels any scale of theirs, so the shared norm weights take the layer's smallest gamma;
+    checked on the model's own eager logits (first layer, so its input is unchanged)."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from zeroshard.optim.muon.qk_clip import attention_modules
+
+    torch.manual_seed(3)
+    model = _tiny_hf(family).double().eval()
+    [(name, attn, heads)] = list(attention_modules(model))
+    assert (name, heads.kind, heads.query, heads.key, heads.num_heads, heads.num_kv_heads) == (
+        "model.layers.0.self_attn", kind, query, key, 4, 2)
+    model_file = sys.modules[type(attn).__module__]
+    original, seen = model_file.eager_attention_forward, []
+
+    def probe(module, q, k, v, mask, *args, **kwargs):
+        seen.append(_full_max(q, k, kwargs["scaling"], mask))
+        return original(module, q, k, v, mask, *args, **kwargs)
+
+    ids = torch.randint(0, 32, (2, 8))
+    model_file.eager_attention_forward = probe
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+            gamma = torch.tensor([0.5, 1.0, 0.8, 0.9], dtype=torch.float64)
+            rows = {n: attn.get_parameter(n).shape[0] for n in heads.query + heads.key}
+            for n, factor in heads.row_factors(gamma, 0.5, rows).items():
+                p = attn.get_parameter(n)
+                p.mul_(factor.view(-1, *([1] * (p.dim() - 1))))
+            model(input_ids=ids)
+    finally:
+        model_file.eager_attention_forward = original
+    want = seen[0] * (gamma.min() if kind == "qk_norm" else gamma)
+    torch.testing.assert_close(seen[1], want, rtol=1e-10, atol=0)
