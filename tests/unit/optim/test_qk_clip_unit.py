@@ -187,3 +187,25 @@ def test_presets_name_the_weights_behind_the_logits(family, kind, query, key):
         model_file.eager_attention_forward = original
     want = seen[0] * (gamma.min() if kind == "qk_norm" else gamma)
     torch.testing.assert_close(seen[1], want, rtol=1e-10, atol=0)
+
+
+def _clip_config() -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "Muon", "params": {"qk_clip": {"enabled": True}}}}
+
+
+def test_engine_refuses_qk_clip_without_attention_it_knows():
+    import zeroshard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="no attention module QK-clip knows.*register_qk_clip_heads"):
+        zeroshard.initialize(model=model, config=_clip_config())
+
+
+def test_engine_refuses_qk_clip_with_a_user_optimizer():
+    import zeroshard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="qk_clip needs the engine's Muon"):
+        zeroshard.initialize(model=model, optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1),
+                             config=_clip_config())
