@@ -48,15 +48,20 @@ def _capture_cost(batch: int, heads: int, seq: int, dim: int, repeats: int) -> d
     """Median ms of one SDPA forward and of max_logits on the same q, k (causal)."""
     from zeroshard.optim.muon.qk_clip import max_logits
 
-    q, k, v = (torch.randn(batch, heads, seq, dim) for _ in range(3))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (torch.randn(batch, heads, seq, dim, device=device) for _ in range(3))
     sdpa, capture = [], []
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     for _ in range(repeats):
-        start = time.perf_counter()
-        F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        sdpa.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        max_logits(q, k, dim**-0.5, is_causal=True)
-        capture.append(time.perf_counter() - start)
+        sdpa.append(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+        capture.append(timed(lambda: max_logits(q, k, dim**-0.5, is_causal=True)))
     return {"shape": [batch, heads, seq, dim], "sdpa_forward_ms": 1e3 * statistics.median(sdpa),
             "max_logits_ms": 1e3 * statistics.median(capture)}
 
@@ -65,13 +70,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     engines = {"muon": _engine(args.model, False), "muon+qk_clip": _engine(args.model, True)}
     block = engines["muon"].module.config.block_size
     gen = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {name: [] for name in engines}
     for step in range(args.steps):
-        tokens = torch.randint(0, 256, (16, block + 1), generator=gen)
+        tokens = torch.randint(0, 256, (16, block + 1), generator=gen).to(engines["muon"].device)
         order = list(engines.items()) if step % 2 == 0 else list(engines.items())[::-1]
         for name, engine in order:
             dist.barrier()
@@ -79,6 +87,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
             _, loss = engine(tokens[:, :-1], tokens[:, 1:])
             engine.backward(loss)
             engine.step()
+            if cuda:
+                torch.cuda.synchronize()
             dist.barrier()
             if step >= 10:
                 times[name].append(time.perf_counter() - start)
@@ -87,7 +97,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         base, clip = statistics.median(times["muon"]), statistics.median(times["muon+qk_clip"])
         capture = _capture_cost(16, config.n_head, block, config.n_embd // config.n_head, 20)
         result = {
-            "model": args.model, "world_size": world, "timed_steps": len(times["muon"]), "device": "cpu",
+            "model": args.model, "world_size": world, "timed_steps": len(times["muon"]),
+            "device": engines["muon"].device.type,
             "torch_threads": torch.get_num_threads(),
             "median_step_ms": {"muon": 1e3 * base, "muon+qk_clip": 1e3 * clip},
             "overhead_percent": 100 * (clip / base - 1), "capture_one_attention_call": capture,
