@@ -42,6 +42,7 @@ from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
+from zeroshard.config.integration_values import StepsPerPrint, dotted_top_level_key
 from zeroshard.config.monitor import COMET_REFUSAL, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from zeroshard.config.sections import (
     DEFAULT_LOWER_PRECISION_SAFE_MODULES,
@@ -140,7 +141,7 @@ class ZeroshardConfig(_Section):
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     communication_data_type: str | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    steps_per_print: JsonInt = Field(10, ge=1)
+    steps_per_print: StepsPerPrint = 10  # or Infinity: never (zeroshard/config/integration_values.py)
     seed: JsonInt | None = None
     dataloader_drop_last: bool = False
     # Ulysses sequence parallelism (docs/sequence-parallel.md): world = data x sequence ranks.
@@ -270,6 +271,11 @@ class ZeroshardConfig(_Section):
         """The world size the batch triangle was resolved for."""
         return self._world_size
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """`raw.get(key, default)`: DeepSpeed's `engine.config` is the dict the user passed, and
+        the Hugging Face Trainer reads it so (`engine.config.get("zero_optimization", {})`)."""
+        return self._raw.get(key, default)
+
 
 def _resolved(value: Any, name: str) -> Any:
     if value is None:
@@ -355,6 +361,10 @@ def _walk(
                     f"{key_path}={_show(value)}: recognised DeepSpeed key, not supported by zeroshard. "
                     f"{unsupported.hint}"
                 )
+        elif not path and dotted_top_level_key(written, section, _section_class):
+            # TRL's "zero_optimization.reduce_bucket_size" at the top level: DeepSpeed reads no such key.
+            report.no_effect.append(f'"{written}" (a top-level key: DeepSpeed reads no dotted key)')
+            report.no_effect_changed.append(report.no_effect[-1])
         else:
             report.problems.append(
                 f"{key_path}: unknown key." + did_you_mean(key, section.json_keys(), key_path=key_path)

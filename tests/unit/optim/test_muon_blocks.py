@@ -125,6 +125,9 @@ def test_config_keys():
 
 
 # ------------------------------------------------------------- Hugging Face presets
+# Without per_head_muon_output these are exactly the tags DeepSpeed 0.19.8's
+# `deepspeed.set_optimizer_flags` puts on the same tiny models with `per_head_muon: true`
+# (muon_num_heads, muon_head_dim), observed in /tmp/dsvenv when this test was written.
 STANDARD = {"q_proj": (4, 6, 0), "k_proj": (2, 6, 0), "v_proj": (2, 6, 0)}  # GQA: 2 key/value heads
 
 
