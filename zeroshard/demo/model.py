@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeroshard.optim.muon.qk_clip import record_logits, register_qk_clip_heads
+
 BYTE_VOCAB_SIZE = 256
 
 
@@ -78,6 +80,10 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # MuonClip (qk_clip in the Muon config) knows the fused layout: query rows first, then key.
+        head_dim = config.n_embd // config.n_head
+        fused = ("c_attn.weight", "c_attn.bias") if config.bias else "c_attn.weight"
+        register_qk_clip_heads(self, fused, fused, config.n_head, head_dim, key_offset=config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -85,6 +91,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        record_logits(self, q, k, is_causal=True)  # a no-op unless qk_clip is on
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))

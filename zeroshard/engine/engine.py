@@ -28,6 +28,7 @@ from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.monitor.attach import build_monitoring
+from zeroshard.optim.muon.qk_clip.attach import attach_qk_clip
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
 from zeroshard.sharding.layout import ParallelLayout, establish
@@ -110,6 +111,8 @@ class Engine(HFCompat, EngineAPI):
         self.optimizer = setup.build_optimizer(
             optimizer, config, plan, transforms.hyper, self.flats, self._step.placement
         )
+        # MuonClip (optim/muon/qk_clip/): logit capture in attention, rescaling after each step.
+        self.qk_clip = attach_qk_clip(model, config, self.flats, self.layout, self.optimizer, self.device)
         self.lr_scheduler = setup.build_scheduler(lr_scheduler, config, self.optimizer)
         self._registry = ParamRegistry(self.flats, lambda: self.loss_scaler.scale, lambda: self.optimizer)
         host_grads = self._step.host_grads

@@ -10,6 +10,7 @@ from typing import Any
 
 from zeroshard.config.suggest import did_you_mean
 from zeroshard.optim.muon.newton_schulz import DEFAULT_NS_STEPS, NS_DTYPE_NAMES, NS_METHODS
+from zeroshard.optim.muon.qk_clip.settings import qk_clip_problems
 
 DEFAULT_EXCLUDE_PATTERNS = ("embed", "lm_head")
 # MoE routers: DeepSpeed's MoE (`deepspeed_moe.gate.wg`), Hugging Face's Mixtral, Qwen3-MoE
@@ -25,7 +26,7 @@ ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 CONFIG_KEYS = frozenset(
     {"lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "ns_method", "betas", "eps",
      "nesterov", "ns_steps", "ns_dtype", "muon_exclude_patterns", "muon_exclude_modules",
-     "per_head_muon", "per_head_muon_output"}
+     "per_head_muon", "per_head_muon_output", "qk_clip"}
 )
 
 
@@ -125,6 +126,8 @@ def muon_param_problems(params: Mapping[str, Any] | None) -> list[str]:
             f"optimizer.params.muon_exclude_modules={modules!r}: must be a list of module names without "
             "dots (a parameter with one of them as a component of its dotted name uses AdamW; [] for none)."
         )
+    if "qk_clip" in params:  # MuonClip (optim/muon/qk_clip/)
+        problems.extend(qk_clip_problems(params["qk_clip"]))
     return problems
 
 

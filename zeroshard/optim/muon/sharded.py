@@ -127,6 +127,7 @@ class ShardedMuon(torch.optim.Optimizer):
             fill_group_defaults(group)
         super().__init__(groups, {})
         self.state_dtype = state_dtype
+        self.qk_clip: Any = None  # MuonClip's QKClip (optim/muon/qk_clip/), run after each step
         self._layouts: dict[int, _MuonLayout] = {}
         if flats is not None:
             self.attach_flats(flats)
@@ -170,6 +171,8 @@ class ShardedMuon(torch.optim.Optimizer):
                 continue
             for p in group["params"]:
                 self._muon_step(p, group)
+        if self.qk_clip is not None:
+            self.qk_clip.apply()
         return loss
 
     def _muon_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
