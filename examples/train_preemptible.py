@@ -59,27 +59,21 @@ def preemptible(config_path: str, save_dir: str) -> dict:
     return config
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--deepspeed_config", required=True)
-    parser.add_argument("--save-dir", required=True)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--local_rank", type=int, default=0)  # accepted as DeepSpeed's launcher passes it
-    args = parser.parse_args()
-
+def train(config_path: str, save_dir: str, steps: int) -> None:
+    """The training loop, on the process group that exists (or a new one from the environment)."""
     deepspeed.init_distributed()
     torch.manual_seed(0)
     model = Model()
     engine, optimizer, loader, scheduler = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), training_data=RandomRegression(),
-        config=preemptible(args.deepspeed_config, args.save_dir),
+        config=preemptible(config_path, save_dir),
     )
     resumed, _ = engine.preemption.resumed
     if resumed and engine.global_rank == 0:
         print(f"resumed from {resumed} at step {engine.global_steps}", flush=True)
     gas = engine.gradient_accumulation_steps()
     steps_per_epoch = len(loader) // gas
-    while engine.global_steps < args.steps:
+    while engine.global_steps < steps:
         # Continue mid-epoch: the sampler's order comes back with the epoch; skip what was trained.
         epoch, done = divmod(engine.global_steps, steps_per_epoch)
         loader.sampler.set_epoch(epoch)
@@ -91,9 +85,19 @@ def main() -> None:
             if engine.is_gradient_accumulation_boundary() and engine.global_rank == 0:
                 print(f"step {engine.global_steps + 1} loss {loss.item():.6f}", flush=True)
             engine.step()  # after a signal: saves with the other ranks, then exits with status 143
-            if engine.global_steps >= args.steps:
+            if engine.global_steps >= steps:
                 break
-    engine.save_checkpoint(args.save_dir)
+    engine.save_checkpoint(save_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deepspeed_config", required=True)
+    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--local_rank", type=int, default=0)  # accepted as DeepSpeed's launcher passes it
+    args = parser.parse_args()
+    train(args.deepspeed_config, args.save_dir, args.steps)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

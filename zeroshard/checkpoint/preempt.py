@@ -22,6 +22,7 @@ rank) agrees on it at once.
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 import torch
@@ -91,7 +92,8 @@ class Preemption:
         return self.agreed
 
     def after_step(self) -> None:
-        """At a step boundary where the ranks agreed: save and exit (with `save_dir` set)."""
+        """After an optimizer step (never between micro-steps: their gradients are not saved),
+        where the ranks agreed: save and exit (with `save_dir` set)."""
         if self.agreed and self.settings.save_dir is not None and self.saved is None:
             self.save_and_exit()
 
@@ -103,6 +105,13 @@ class Preemption:
                 "save_and_exit(): preemption.save_dir is not set; set it in the config, or save "
                 "with engine.save_checkpoint(...) yourself and exit."
             )
+        pending = engine.accumulation
+        if pending.backward_count != pending._backwards_at_last_step:
+            raise RuntimeError(
+                "save_and_exit(): called between the micro-steps of a gradient accumulation; their "
+                "gradients are not part of a checkpoint. Call it after the engine.step() that ends "
+                "the accumulation (engine.is_gradient_accumulation_boundary() was true)."
+            )
         state = self.client_state() if callable(self.client_state) else self.client_state
         self.saved = engine.save_checkpoint(settings.save_dir, tag=settings.tag, client_state=state)
         if engine.global_rank == 0:
@@ -110,6 +119,8 @@ class Preemption:
                 "preemption: saved %s at step %d; exiting with status %d (start the job again to resume)",
                 self.saved, engine.global_steps, settings.exit_code,
             )
-        # The handlers stay: a second signal while the process exits must not kill it by the
-        # default action (a status of -15, not exit_code).
+        # From here on a signal must not kill the process by the default action (a status of
+        # -15, not exit_code): the launcher SIGTERMs the remaining workers as soon as the first
+        # one exits, while they are still in `finally` blocks, atexit or interpreter shutdown.
+        STOP.ignore({*(signal_number(name) for name in settings.signals), signal.SIGTERM})
         raise SystemExit(settings.exit_code)

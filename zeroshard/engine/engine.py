@@ -221,7 +221,7 @@ class Engine(EngineAPI):
                 # The interval's timers, FLOPs, collectives and MoE figures go to the monitors
                 # with DeepSpeed's names (Train/Samples/elapsed_time_ms_*, ...).
                 self.monitor.write_events(self.figures.monitor_events(self.global_samples))
-        self.preemption.after_step()  # the ranks agreed to stop: save together and exit
+            self.preemption.after_step()  # the ranks agreed to stop: save together and exit
 
     def _step_once(self) -> None:
         state = self.accumulation

@@ -63,6 +63,21 @@ class StopRequest:
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
+    def ignore(self, signums: Iterable[int]) -> None:
+        """Ignore `signums` from now on (main thread only; `uninstall` restores the handlers
+        from before `install`).
+
+        For a process that has decided to exit: CPython's shutdown resets every Python-level
+        handler to the default action (terminate), but keeps SIG_IGN. A launcher that sends
+        SIGTERM to the remaining workers once the first one exited (torchrun's agent does) would
+        otherwise kill a worker still in shutdown, which then reports -15 instead of its status.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in signums:
+            previous = signal.signal(signum, signal.SIG_IGN)
+            self._previous.setdefault(signum, previous)
+
     def clear(self) -> None:
         self.signum = None
         self.count = 0
