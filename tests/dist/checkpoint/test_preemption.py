@@ -51,3 +51,16 @@ def test_a_group_created_before_initialize_is_adopted_and_each_rank_writes_its_o
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert ranks[0]["written"] == ["rank_00000.safetensors", "module_extras.safetensors"]
     assert ranks[1]["written"] == ["rank_00001.safetensors"]
+
+
+@pytest.mark.parametrize(("stage", "mode"), [(0, "fp16"), (3, "bf16")])
+def test_the_stop_vote_costs_no_collective(dist_pool, stage, mode):
+    """The step with a vote issues exactly the collectives of a step without one: the vote is one
+    more element of the norm's all-reduce (2 + 3 * world size elements), and after that step
+    every rank knows; after the step before it none did."""
+    ranks = dist_pool(2).run(scenarios.vote_rides_the_step_all_reduce, stage, mode, timeout=120)
+    for rank, seen in enumerate(ranks):
+        without, with_vote = seen["logs"]
+        assert without == with_vote, f"rank {rank}: {without} vs {with_vote}"
+        assert ("all_reduce", "norm", 2 + 3 * 2) in with_vote, with_vote
+        assert seen["agreed"] == [False, True], f"rank {rank}: {seen}"

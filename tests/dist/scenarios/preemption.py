@@ -172,3 +172,25 @@ def adopted_group_writes_own_files(save_dir: str) -> dict[str, Any]:
         "world_size": engine.world_size,
         "written": written,
     }
+
+
+def vote_rides_the_step_all_reduce(stage: int, mode: str) -> dict[str, Any]:
+    """Two steps recorded, the second with rank 1 asked to stop (no save_dir: nothing automatic):
+    the collectives of the two steps, and whether each rank knew after each step."""
+    from zeroshard.comm import collectives as comm
+
+    STOP.clear()
+    try:
+        engine = _engine(stage, mode, None)
+        logs, agreed = [], []
+        for step in range(2):
+            if step == 1 and dist.get_rank() == 1:
+                STOP.request()
+            with comm.recording() as log:
+                train(engine, step, step + 1)
+            logs.append([(r.op, r.tag, r.numel) for r in log.records])
+            agreed.append(engine.preemption.agreed)
+        return {"logs": logs, "agreed": agreed, "code": None}
+    finally:
+        STOP.uninstall()
+        STOP.clear()
