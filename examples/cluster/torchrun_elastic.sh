@@ -13,6 +13,11 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CONFIG="${CONFIG:-$HERE/../configs/zero2_fp32.json}"
+# torch >= 2.5 lets the workers share the c10d rendezvous store, without a prefix per restart:
+# a restarted group then reads the previous group's addresses and fails to connect ("Gloo
+# connectFullMesh failed ... Connection refused"; NCCL the same way: pytorch/pytorch#135712,
+# #167288). A store of their own per restart avoids it.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 exec python -m torch.distributed.run \
     --nnodes="${NNODES:-1}" \
     --nproc_per_node="${NPROC:-2}" \

@@ -52,9 +52,8 @@ class PreemptionConfig(_Section):
     @classmethod
     def check_extra(cls, raw: dict[str, Any], path: str, report: _Report) -> None:
         names = raw.get("signals", list(DEFAULT_SIGNALS))
-        if not isinstance(names, list):
-            return  # the type error is reported by the model
-        for i, name in enumerate(names):
+        # Not a list: the type error is reported by the model.
+        for i, name in enumerate(names if isinstance(names, list) else []):
             if not isinstance(name, str):
                 continue
             try:
@@ -67,6 +66,18 @@ class PreemptionConfig(_Section):
                     f"{path}.signals.{i}={_show(name)}: {canonical} cannot be handled (the kernel does, "
                     "or a handler would hide a crash). Use SIGTERM, SIGUSR1, SIGUSR2, SIGINT or SIGHUP."
                 )
+        tag = raw.get("tag")
+        if isinstance(tag, str) and (
+            not tag or tag.startswith(".") or tag != tag.strip() or any(c in tag for c in "/\\\0")
+            or not tag.isprintable()
+        ):
+            # The checkpoint tag rule (checkpoint/format.py's validate_tag), checked here so that
+            # a bad tag is found at initialize, not when the scheduler has already signalled.
+            report.problems.append(
+                f"{path}.tag={_show(tag)}: must be a plain directory name (no path separators, no "
+                "leading '.', no leading or trailing whitespace, no control characters). Use e.g. "
+                '"preempted", or null for global_step<N>.'
+            )
         if raw.get("resume") is True and not raw.get("save_dir"):
             report.problems.append(
                 f"{path}.resume=true: resume from where? Set {path}.save_dir to the directory the "

@@ -341,11 +341,12 @@ def test_preemption_section_defaults_names_and_refusals():
                         world_size=1)
     assert ok.preemption.signals == ["usr1", "SIGHUP"]
     with pytest.raises(ConfigError) as error:
-        resolve_config({**base, "preemption": {"signals": ["SIGKILL", "SIGNOPE"], "resume": True, "exit_code": 300}},
-                       world_size=1)
+        resolve_config({**base, "preemption": {"signals": ["SIGKILL", "SIGNOPE"], "resume": True, "exit_code": 300,
+                                               "tag": "../elsewhere"}}, world_size=1)
     text = str(error.value)
     for expected in ("preemption.signals.0=\"SIGKILL\": SIGKILL cannot be handled",
                      "preemption.signals.1=\"SIGNOPE\": no signal called",
                      "preemption.resume=true: resume from where? Set preemption.save_dir",
-                     "preemption.exit_code=300"):
+                     "preemption.exit_code=300",
+                     'preemption.tag="../elsewhere": must be a plain directory name'):
         assert expected in text, text
