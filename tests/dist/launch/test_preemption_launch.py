@@ -166,7 +166,8 @@ def test_preempted_on_3_processes_resumed_on_2_restarted_by_torchrun_and_equal_t
     assert (save_dir / "latest").read_text().strip() == f"global_step{STEPS}"
     assert expected.keys() == actual.keys()
     worst = max((expected[k] - actual[k]).abs().max().item() for k in expected)
-    print(f"max |param difference| after {STEPS} steps, preempted twice (3 -> 2 -> 2 ranks): {worst:.3g}")
+    print(f"stopped at {stopped} (3 ranks) and {again} (2 ranks); max |param difference| after {STEPS} "
+          f"steps: {worst:.3g}")
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=ATOL, rtol=RTOL, msg=name)
 
