@@ -36,25 +36,33 @@ def _engine(seed: int = 0, **preemption):
     return engine
 
 
-@pytest.fixture
-def saves(tmp_path):
+@pytest.fixture(scope="module")
+def _pristine(tmp_path_factory):
     """global_step1..5 saved; 3 lost its marker, 4 a truncated file, 5 a flipped byte (same size,
     caught only by the load's sha256); a .global_step6.tmp a save killed half-way left."""
+    save_dir = tmp_path_factory.mktemp("saves")
     engine = _engine()
     snapshots = {}
     for step in range(1, 6):
         train(engine, step - 1, step)
-        engine.save_checkpoint(tmp_path)
+        engine.save_checkpoint(save_dir)
         snapshots[step] = snapshot(engine)
-    (tmp_path / "global_step3" / "index.sha256").unlink()
-    rank_file = tmp_path / "global_step4" / "rank_00000.safetensors"
+    (save_dir / "global_step3" / "index.sha256").unlink()
+    rank_file = save_dir / "global_step4" / "rank_00000.safetensors"
     rank_file.write_bytes(rank_file.read_bytes()[:-10])
-    rank_file = tmp_path / "global_step5" / "rank_00000.safetensors"
+    rank_file = save_dir / "global_step5" / "rank_00000.safetensors"
     data = bytearray(rank_file.read_bytes())
     data[-1] ^= 0xFF
     rank_file.write_bytes(bytes(data))
-    shutil.copytree(tmp_path / "global_step2", tmp_path / ".global_step6.tmp")
-    return tmp_path, snapshots
+    shutil.copytree(save_dir / "global_step2", save_dir / ".global_step6.tmp")
+    return save_dir, snapshots
+
+
+@pytest.fixture
+def saves(_pristine, tmp_path):
+    """A copy of the saves for one test to change."""
+    shutil.copytree(_pristine[0], tmp_path / "ckpt")
+    return tmp_path / "ckpt", _pristine[1]
 
 
 def test_the_newest_complete_checkpoint_is_loaded_and_the_others_are_named(saves, caplog):
