@@ -41,9 +41,13 @@ def initialize(
     dist_init_required: bool | None = None,
     collate_fn: Any = None,
     config: Any = None,
+    mesh_param: Any = None,
     config_params: Any = None,
 ):
     """Wrap `model` for ZeRO training, as `deepspeed.initialize` does.
+
+    `mesh_param=(dp, sp)` asks for data x sequence parallelism, as DeepSpeed's does: the same as
+    the config's `data_parallel_size` and `sequence_parallel_size` (they must agree if both are given).
 
     Returns:
         (engine, optimizer, training_dataloader, lr_scheduler); the dataloader is None
@@ -74,6 +78,8 @@ def initialize(
         # Before the config is resolved (the batch triangle needs the world size): the
         # timeout is read from the raw config here and validated with the rest below.
         init_distributed(timeout=requested_collective_timeout_s(raw))
+    if mesh_param is not None:
+        raw = _with_mesh(raw, mesh_param, mpu, collectives.world_size())
     mpu_sp = None if mpu is None else mpu.get_sequence_parallel_world_size()
     cfg = resolve_config(raw, world_size=collectives.world_size(), sequence_parallel_size=mpu_sp)
     # The process's one layout (zeroshard/sharding/layout.py), perhaps created already by an MoE
@@ -85,6 +91,42 @@ def initialize(
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _with_mesh(raw: Any, mesh_param: Any, mpu: Any, world_size: int) -> dict:
+    """The config with `mesh_param=(dp, sp)` written into its data and sequence-parallel sizes."""
+    import os
+    from pathlib import Path
+
+    from zeroshard.config.error import DeepSpeedConfigError
+    from zeroshard.config.file import read_config_file
+
+    ok = (
+        isinstance(mesh_param, (tuple, list)) and len(mesh_param) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh_param)
+    )
+    if not ok:
+        raise DeepSpeedConfigError(
+            f"mesh_param={mesh_param!r}: must be (data_parallel_size, sequence_parallel_size), two positive integers."
+        )
+    dp, sp = mesh_param
+    if mpu is not None:
+        raise DeepSpeedConfigError(
+            "initialize: pass either mpu= or mesh_param=, not both: each gives the sequence-parallel groups."
+        )
+    if dp * sp != world_size:
+        raise DeepSpeedConfigError(
+            f"mesh_param=({dp}, {sp}): data_parallel_size x sequence_parallel_size = {dp * sp}, but {world_size} "
+            f"ranks run. Launch {dp * sp} ranks, or pick sizes whose product is {world_size}."
+        )
+    data = dict(read_config_file(Path(raw)) if isinstance(raw, (str, os.PathLike)) else raw)
+    for key, value in (("data_parallel_size", dp), ("sequence_parallel_size", sp)):
+        if key in data and data[key] != value:
+            raise DeepSpeedConfigError(
+                f"{key}={data[key]} in the config, but mesh_param gives {value}. Make them agree, or drop one."
+            )
+        data[key] = value
+    return data
 
 
 def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[collectives.Group, collectives.Group] | None:
@@ -113,13 +155,31 @@ def _sequence_parallel_groups(mpu: Any, size: int) -> tuple[collectives.Group, c
     return sequence, data
 
 
+# DeepSpeed's top-level names that zeroshard keeps elsewhere, imported on first use so that
+# `import zeroshard` stays light: name -> (module, attribute).
+_LAZY_NAMES = {
+    "DeepSpeedEngine": ("zeroshard.engine.engine", "Engine"),  # the engine class, for isinstance
+    "logger": ("zeroshard.monitor.log", "logger"),
+    "log_dist": ("zeroshard.monitor.log", "log_dist"),
+}
+
+
 def __getattr__(name: str):
+    import importlib
+
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"):
         from zeroshard.sharding import tensor_fragment  # the functions zeroshard.utils exports
 
         return getattr(tensor_fragment, name)
-    if name == "zero":
-        import importlib
-
-        return importlib.import_module(".zero", __name__)
-    raise AttributeError(name)
+    if name in _LAZY_NAMES:
+        module, attribute = _LAZY_NAMES[name]
+        return getattr(importlib.import_module(module), attribute)
+    if not name.startswith("_"):
+        # DeepSpeed's package has its subpackages as attributes (`deepspeed.utils.safe_get_full_grad`
+        # right after `import deepspeed`); here each is imported when first read (issue 30, item 3).
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # the subpackage exists but something it imports is missing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """The `zeroshard` command: explain (zeroshard.tools.explain), demo, to-fp32 (zeroshard.checkpoint),
-report (zeroshard.tools.report), launch (zeroshard.launch.torchrun).
+report (zeroshard.tools.report), launch (zeroshard.launch.torchrun), install-deepspeed-alias
+(zeroshard.tools.deepspeed_alias).
 
 `zeroshard explain CONFIG` prints what a config resolves to: the precision of every tensor role
 per parameter group, the defaults it applied, the keys accepted with no effect, and the per-rank
@@ -98,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="directory holding the run's CSV files")
     report.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: RUN_DIR)")
     report.set_defaults(handler=_run_report)
+    alias = sub.add_parser(
+        "install-deepspeed-alias",
+        help="make `import deepspeed` give zeroshard in this environment (for the Trainer, Accelerate, TRL)",
+        description="Install a distribution named `deepspeed` (version 0.19.8+zeroshard) whose modules are "
+        "zeroshard's, so Hugging Face transformers, Accelerate and TRL find and drive zeroshard. Refuses when a "
+        "real DeepSpeed is installed. Undo with --uninstall (or `pip uninstall deepspeed`).",
+    )
+    alias.add_argument("--target", metavar="DIR", help="install into DIR instead of this environment's site-packages")
+    alias.add_argument("--uninstall", action="store_true", help="remove the alias")
+    alias.set_defaults(handler=_run_install_deepspeed_alias)
     sub.add_parser(
         "launch",
         help="run a training script with torchrun (see `zeroshard launch --help`)",
@@ -128,6 +139,23 @@ def _run_report(args: argparse.Namespace) -> int:
         return 1
     for path in paths:
         print(f"wrote {path}")
+    return EXIT_OK
+
+
+def _run_install_deepspeed_alias(args: argparse.Namespace) -> int:
+    from zeroshard.tools.deepspeed_alias import VERSION, AliasError, default_target, install, uninstall
+
+    target = args.target or default_target()
+    try:
+        if args.uninstall:
+            removed = uninstall(target)
+            print(f"removed the deepspeed alias from {target}" if removed else f"no deepspeed alias in {target}")
+        else:
+            package = install(target)
+            print(f"installed deepspeed {VERSION} (zeroshard) at {package}")
+    except (AliasError, OSError) as exc:
+        print(f"zeroshard install-deepspeed-alias: {exc}", file=sys.stderr)
+        return 1
     return EXIT_OK
 
 

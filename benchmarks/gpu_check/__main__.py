@@ -58,6 +58,20 @@ def experts_row(device: torch.device, quick: bool) -> dict:
     return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": tail.strip().splitlines()[-8:]}, ""
 
 
+def muon_row(device: torch.device, outdir: Path) -> dict:
+    """benchmarks/muon_step.py: the Muon step against AdamW's, Newton-Schulz's FLOP/s against
+    the bf16/fp16 matmul rate; its table's tail, and its JSON beside the report."""
+    seconds = 150
+    cmd = [sys.executable, str(REPO / "benchmarks" / "muon_step.py"), "--device", device.type, "--steps", "5",
+           "--json", str(outdir / "muon_step.json")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=seconds, env=env)
+    tail = (result.stdout + result.stderr)[-1500:]
+    if result.returncode != 0:
+        return "FAIL", {"rc": result.returncode, "cmd": " ".join(cmd[1:])}, tail
+    return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": result.stdout.strip().splitlines()[-9:]}, ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__)
     parser.add_argument("outdir", type=Path)
@@ -103,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     row("e/moe layer vs cpu", lambda: numerics.moe_layer(device), 60)
     row("e/autoep mixtral vs cpu", lambda: numerics.autoep_layer(device), 90)
     row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 200 if not args.quick else 130)
+    row("f/muon_step", lambda: muon_row(device, args.outdir), 160)
 
     size = model_bench.BenchSize.for_device(device, args.quick)
     box: dict = {}

@@ -6,6 +6,9 @@
   sampler state, per-rank RNG state, the config, the precision plan and `client_state`.
   Atomic: written to a temporary directory, then renamed; `latest` names the last
   complete tag.
+- asynchronous saves (`checkpoint.writer.decoupled`, or `async_save=True`): the state is
+  copied to host memory and a background thread writes the files
+  ([Note: asynchronous saves] in async_save.py); `wait_for_checkpoint()` waits for it.
 - `load_checkpoint(engine, load_dir, tag, ...)`: loads onto any world size and stage by
   reading the saved fragments that overlap each new shard; validates everything before it
   changes anything.
@@ -20,6 +23,7 @@ docs/checkpoints.md.
 
 from __future__ import annotations
 
+from zeroshard.checkpoint.async_save import wait_for_checkpoint
 from zeroshard.checkpoint.export import consolidate_fp32, save_16bit_model, write_fp32
 from zeroshard.checkpoint.format import CheckpointError
 from zeroshard.checkpoint.load import load_checkpoint
@@ -31,5 +35,6 @@ __all__ = [
     "load_checkpoint",
     "save_16bit_model",
     "save_checkpoint",
+    "wait_for_checkpoint",
     "write_fp32",
 ]

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpoint.async_save import wait_for_checkpoint
 from zeroshard.checkpoint.fields import (
     KERNEL_KEYS,
     check_param_groups,
@@ -455,6 +456,7 @@ def load_checkpoint(
         `load_dir` has no `latest` file (nothing saved yet), as DeepSpeed does.
     """
     load_dir = Path(load_dir)
+    wait_for_checkpoint(f"load_checkpoint({load_dir}, tag={tag!r})")  # it may be the one to load
     options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only, allow_pickle)
     loaded: _Loaded | None = None
     error: BaseException | None = None

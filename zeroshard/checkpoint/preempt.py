@@ -113,7 +113,9 @@ class Preemption:
                 "the accumulation (engine.is_gradient_accumulation_boundary() was true)."
             )
         state = self.client_state() if callable(self.client_state) else self.client_state
-        self.saved = engine.save_checkpoint(settings.save_dir, tag=settings.tag, client_state=state)
+        # Synchronous, whatever checkpoint.writer says: the process exits right after, and an
+        # asynchronous save still being written is waited for first (checkpoint/async_save.py).
+        self.saved = engine.save_checkpoint(settings.save_dir, tag=settings.tag, client_state=state, async_save=False)
         if engine.global_rank == 0:
             logger.warning(
                 "preemption: saved %s at step %d; exiting with status %d (start the job again to resume)",

@@ -10,42 +10,35 @@ The sequence (see [Note: checkpoint layout] in format.py for what is written):
 
 A process killed before step 3's rename leaves only a `.tmp` directory that nothing reads:
 `latest` still names the previous complete tag.
+
+This file takes the state from the engine (`rank_tensors`, `rank0_state`) and runs the
+collective steps; write.py writes the files. An asynchronous save copies the state to host
+memory here and hands the writing to a background thread ([Note: asynchronous saves] in
+async_save.py).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from zeroshard.checkpoint.files import (
-    finish_file,
-    fsync_dir,
-    open_exclusive,
-    remove_entry,
-    write_bytes_exclusive,
-    write_text_atomic,
-)
+from zeroshard.checkpoint import async_save as async_save_module
+from zeroshard.checkpoint.files import remove_entry
 from zeroshard.checkpoint.format import (
-    EXTRAS_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_DIGEST_FILE,
-    INDEX_FILE,
-    LATEST_FILE,
     MASTER_KIND,
     PYTHON_STATE_FILE,
     CheckpointError,
     dtype_to_str,
-    file_digest,
-    index_digest_text,
-    old_tag_dir,
-    rank_file_name,
     scalar_kind,
     state_kind,
     tensor_name,
@@ -56,21 +49,19 @@ from zeroshard.checkpoint.frozen import frozen_state
 from zeroshard.checkpoint.names import flat_names, saved_offset, state_dict_keys
 from zeroshard.checkpoint.rng import capture_rng_state
 from zeroshard.checkpoint.sync import agree, all_gather_object, describe
+from zeroshard.checkpoint.write import (
+    CRASH_ENV,  # noqa: F401 - the test hook's name, documented here
+    UNFINISHED,
+    Rank0State,
+    crash_point,
+    publish,
+    write_rank0_files,
+    write_rank_file,
+)
 from zeroshard.moe.autoep.export import hf_layouts
 from zeroshard.sharding.ranges import overlap
 
 logger = logging.getLogger("zeroshard")
-
-# Test hook: "<point>@<rank>" makes that rank exit abruptly at that point of a save, as a
-# killed process would. Points: "rank_file" (after writing its own file), "before_rename"
-# (rank 0, after the index, before publishing the directory).
-CRASH_ENV = "ZEROSHARD_CHECKPOINT_CRASH_AT"
-CRASH_EXIT_CODE = 17
-
-
-def _crash_point(point: str, rank: int) -> None:
-    if os.environ.get(CRASH_ENV) == f"{point}@{rank}":
-        os._exit(CRASH_EXIT_CODE)
 
 
 def flat_id(index: int) -> str:
@@ -138,8 +129,19 @@ def _sampler_state(engine: Any) -> dict[str, Any] | None:
 # -------------------------------------------------------------------- the rank's file
 
 
-def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
-    """Write this rank's owned slice of every flat buffer; return what the index needs."""
+def _host_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A synchronous save writes before training resumes: no copy where the tensor is on the host."""
+    return tensor.contiguous().cpu()
+
+
+def rank_tensors(
+    engine: Any, rank: int, to_host: Callable[[torch.Tensor], torch.Tensor] = _host_view
+) -> tuple[dict[str, torch.Tensor], dict[str, str], list[dict[str, Any]]]:
+    """(tensors, metadata, flats info) of this rank's file: its owned slice of every flat buffer.
+
+    `to_host` moves each slice to the host; an asynchronous save passes one that copies, so the
+    training step that follows cannot change what is written.
+    """
     tensors: dict[str, torch.Tensor] = {}
     opt_state = engine.optimizer.state if engine.optimizer is not None else {}
     flats_info = []
@@ -151,7 +153,7 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
         position = owned_start - master_start  # 0 at stages 1-3; the shard's start at stage 0
 
         def owned(tensor: torch.Tensor, position: int = position, owned_len: int = owned_len) -> torch.Tensor:
-            return tensor.detach().reshape(-1).narrow(0, position, owned_len).contiguous().cpu()
+            return to_host(tensor.detach().reshape(-1).narrow(0, position, owned_len))
 
         tensors[tensor_name(MASTER_KIND, fid)] = owned(flat.master)
         elementwise: dict[str, str] = {}
@@ -200,11 +202,7 @@ def _write_rank_file(engine: Any, tmp: Path, rank: int) -> dict[str, Any]:
     rng_tensors, rng_metadata = capture_rng_state()
     tensors.update(rng_tensors)
     metadata = {"rank": str(rank), "world_size": str(engine.world_size), **rng_metadata}
-    path = tmp / rank_file_name(rank)
-    save_file(tensors, str(path), metadata=metadata)
-    finish_file(path)
-    size, sha = file_digest(path)
-    return {"rank": rank, "file": path.name, "size": size, "sha256": sha, "flats": flats_info}
+    return tensors, metadata, flats_info
 
 
 # ------------------------------------------------------------------------- rank 0 only
@@ -232,20 +230,17 @@ def module_names(engine: Any) -> tuple[dict[str, str], list[str], list[str]]:
     return aliases, frozen, buffer_names
 
 
-def _write_extras(engine: Any, tmp: Path, frozen: dict[str, torch.Tensor], buffer_names: list[str]) -> dict[str, Any]:
-    """Frozen parameters (`frozen`: by checkpoint name, whole, from `frozen_state`) and
-    persistent buffers, as the module holds them."""
+def _extras(engine: Any, frozen: dict[str, torch.Tensor], buffer_names: list[str]) -> tuple[dict, dict]:
+    """(tensors, index entries) of the module extras: frozen parameters (`frozen`: by checkpoint
+    name, whole, from `frozen_state`) and persistent buffers, copied as the module holds them."""
     buffers = dict(engine.module.named_buffers(remove_duplicate=False))
     tensors = dict(frozen)
     tensors.update({name: buffers[name].detach().to("cpu", copy=True) for name in buffer_names})
-    path = tmp / EXTRAS_FILE
-    save_file(tensors, str(path))
-    finish_file(path)
 
     def describe_tensors(names: list[str]) -> dict[str, Any]:
         return {n: {"shape": list(tensors[n].shape), "dtype": dtype_to_str(tensors[n].dtype)} for n in names}
 
-    return {"frozen_params": describe_tensors(frozen), "buffers": describe_tensors(buffer_names)}
+    return tensors, {"frozen_params": describe_tensors(frozen), "buffers": describe_tensors(buffer_names)}
 
 
 def _param_entries(flat: Any, names: list[str], elementwise: dict, scalars: dict) -> dict[str, Any]:
@@ -297,13 +292,12 @@ def _flats_table(engine: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _write_rank0_files(
-    engine: Any, tag: str, tmp: Path, manifests: list[dict[str, Any]], client_state: Any,
-    frozen: dict[str, torch.Tensor],
-) -> None:
+def rank0_state(
+    engine: Any, tag: str, manifests: list[dict[str, Any]], client_state: Any, frozen: dict[str, torch.Tensor]
+) -> Rank0State:
+    """Rank 0's part of a save, from the engine; `manifests` are every rank's flats info."""
     aliases, _, buffer_names = module_names(engine)
-    extras = _write_extras(engine, tmp, frozen, buffer_names)
-    files = {m["file"]: {"size": m["size"], "sha256": m["sha256"]} for m in manifests}
+    extras, extras_entries = _extras(engine, frozen, buffer_names)
 
     # Plain JSON where possible (readable, no pickle); torch.save for the rest.
     python_state: dict[str, Any] = {}
@@ -322,12 +316,11 @@ def _write_rank0_files(
     else:
         python_state["client_state"] = client_state
         client_entry = {"file": PYTHON_STATE_FILE}
+    pickled = None
     if python_state:
-        with open_exclusive(tmp / PYTHON_STATE_FILE) as f:
-            torch.save(python_state, f)
-    for name in (EXTRAS_FILE, PYTHON_STATE_FILE) if python_state else (EXTRAS_FILE,):
-        size, sha = file_digest(tmp / name)
-        files[name] = {"size": size, "sha256": sha}
+        buffer = io.BytesIO()
+        torch.save(python_state, buffer)
+        pickled = buffer.getvalue()
 
     optimizer = engine.optimizer
     index = {
@@ -338,10 +331,10 @@ def _write_rank0_files(
         "stage": engine.policy.stage,
         "precision_mode": engine.precision_plan.mode,
         "torch_version": torch.__version__,
-        "files": files,
+        "files": None,  # filled in by write_rank0_files, in this place
         "params": _params_table(engine, manifests),
         "aliases": aliases,
-        **extras,
+        **extras_entries,
         "state_dict_keys": state_dict_keys(engine.module),
         "autoep": hf_layouts(engine.module),  # to-fp32 writes these layers under Hugging Face names
         "flats": _flats_table(engine),
@@ -365,32 +358,7 @@ def _write_rank0_files(
         "config": engine.config.raw,
         "precision_plan": engine.precision_plan.as_dict(),
     }
-    index_bytes = (json.dumps(index, indent=1, default=str) + "\n").encode("utf-8")
-    write_bytes_exclusive(tmp / INDEX_FILE, index_bytes)
-    # The digest of the index, checked by every load (by tag or through `latest`).
-    write_bytes_exclusive(tmp / INDEX_DIGEST_FILE, index_digest_text(index_bytes).encode("utf-8"))
-    fsync_dir(tmp)
-
-
-def _publish(save_dir: Path, tag: str, tmp: Path, save_latest: bool) -> None:
-    """Move the finished temporary directory to `save_dir/tag` and point `latest` at it."""
-    final = save_dir / tag
-    old = old_tag_dir(save_dir, tag)
-    if final.exists():
-        # Replacing a tag: the old copy stays loadable (as .<tag>.old) until the new one is in place.
-        remove_entry(old)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fsync_dir(save_dir)
-    if save_latest:
-        write_text_atomic(save_dir / LATEST_FILE, tag + "\n")
-    remove_entry(old)
-
-
-# Temporary directories of this process's saves that did not finish (rank 0). A save that
-# fails part-way leaves `.<tag>.tmp`; the next save of any tag removes it. Only this
-# process's own: another job may be saving into the same directory right now.
-_UNFINISHED: set[Path] = set()
+    return Rank0State(index, extras, pickled)
 
 
 def _prepare_tmp_dir(save_dir: Path, tag: str, tmp: Path) -> None:
@@ -402,11 +370,11 @@ def _prepare_tmp_dir(save_dir: Path, tag: str, tmp: Path) -> None:
             "replace the link and leave its target stale. Remove the link or save under another tag."
         )
     save_dir.mkdir(parents=True, exist_ok=True)
-    for stale in sorted(_UNFINISHED):
+    for stale in sorted(UNFINISHED):
         remove_entry(stale)
-        _UNFINISHED.discard(stale)
+        UNFINISHED.discard(stale)
     remove_entry(tmp)  # a save of this tag that died part-way (perhaps in another process)
-    _UNFINISHED.add(tmp.absolute())
+    UNFINISHED.add(tmp.absolute())
     tmp.mkdir()
 
 
@@ -459,19 +427,47 @@ def agree_on_save_tag(engine: Any, tag: str | None) -> str:
 
 
 
+def _agree_prepared(error: BaseException | None, asynchronous: bool, what: str) -> None:
+    """`agree` on creating the temporary directory, and on the save's mode in the same collective:
+    ranks that disagree on it would go on into different collectives."""
+    outcomes = all_gather_object((None if error is None else describe(error), asynchronous))
+    agree_outcomes = [message for message, _ in outcomes]
+    failed = {rank: message for rank, message in enumerate(agree_outcomes) if message is not None}
+    if failed:
+        if error is not None:
+            raise error
+        details = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failed.items()))
+        raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {details}")
+    modes = [mode for _, mode in outcomes]
+    if len(set(modes)) > 1:
+        raise CheckpointError(
+            f"save_checkpoint: asynchronous on rank(s) {[r for r, m in enumerate(modes) if m]} and "
+            f"synchronous on the others; pass the same async_save on every rank."
+        )
+
+
 def save_checkpoint(
     engine: Any,
     save_dir: str | os.PathLike,
     tag: str | None = None,
     client_state: Any = None,
     save_latest: bool = True,
+    *,
+    async_save: bool | None = None,
 ) -> str:
     """Save `engine`'s training state under `save_dir/tag`; collective (every rank calls it).
+
+    Waits for this process's previous asynchronous save first (raising its error on every rank
+    if it failed). `async_save` (None: `checkpoint.writer.decoupled` of the config) returns as
+    soon as the state is copied to host memory and writes the files in the background
+    (zeroshard/checkpoint/async_save.py).
 
     Returns:
         The checkpoint's directory.
     """
     save_dir = Path(save_dir)
+    async_save_module.wait_for_checkpoint(f"save_checkpoint({save_dir}, tag={tag!r})")
+    asynchronous = async_save_module.decoupled(engine) if async_save is None else bool(async_save)
     rank = engine.global_rank
     tag = agree_on_save_tag(engine, tag)
     validate_tag(tag)  # after the agreement, so that every rank raises or none does
@@ -483,14 +479,18 @@ def save_checkpoint(
             _prepare_tmp_dir(save_dir, tag, tmp)
         except (OSError, CheckpointError) as exc:
             error = exc
-    agree(error, f"save_checkpoint({save_dir}, tag={tag!r}): creating {tmp}")
+    _agree_prepared(error, asynchronous, f"save_checkpoint({save_dir}, tag={tag!r}): creating {tmp}")
+    if asynchronous:
+        _start_async(engine, save_dir, tag, tmp, client_state, save_latest)
+        return str(save_dir / tag)
 
     manifest, error = None, None
     try:
-        manifest = _write_rank_file(engine, tmp, rank)
+        tensors, metadata, flats = rank_tensors(engine, rank)
+        manifest = {"rank": rank, **write_rank_file(tmp, rank, tensors, metadata), "flats": flats}
     except Exception as exc:
         error = exc
-    _crash_point("rank_file", rank)
+    crash_point("rank_file", rank)
     gathered = all_gather_object(manifest if error is None else describe(error))
     if error is not None:
         raise error
@@ -503,10 +503,10 @@ def save_checkpoint(
     error = None
     if rank == 0:
         try:
-            _write_rank0_files(engine, tag, tmp, gathered, client_state, frozen)
-            _crash_point("before_rename", rank)
-            _publish(save_dir, tag, tmp, save_latest)
-            _UNFINISHED.discard(tmp.absolute())
+            write_rank0_files(tmp, rank0_state(engine, tag, gathered, client_state, frozen), gathered)
+            crash_point("before_rename", rank)
+            publish(save_dir, tag, tmp, save_latest)
+            UNFINISHED.discard(tmp.absolute())
         except Exception as exc:
             error = exc
     agree(error, f"save_checkpoint({save_dir}, tag={tag!r}): writing the index")
@@ -515,3 +515,44 @@ def save_checkpoint(
             "saved checkpoint %s (world size %d, stage %d)", save_dir / tag, engine.world_size, engine.policy.stage
         )
     return str(save_dir / tag)
+
+
+def _start_async(
+    engine: Any, save_dir: Path, tag: str, tmp: Path, client_state: Any, save_latest: bool
+) -> None:
+    """Copy this rank's state to host memory, agree that every rank did, and hand it to a
+    background writer (async_save.py). Collective; no file is written here."""
+    rank = engine.global_rank
+    snapshot, error = None, None
+    copy = async_save_module.host_copy()
+    try:
+        tensors, metadata, flats = rank_tensors(engine, rank, copy)
+        snapshot = (tensors, metadata)
+    except Exception as exc:
+        error = exc
+    gathered = all_gather_object({"rank": rank, "flats": flats} if error is None else describe(error))
+    if error is not None:
+        raise error
+    failed = {r: m for r, m in enumerate(gathered) if isinstance(m, str)}
+    if failed:
+        raise CheckpointError(f"save_checkpoint: copying the shards failed on rank(s) {sorted(failed)}: {failed}")
+
+    frozen = frozen_state(engine, module_names(engine)[1], keep=rank == 0)
+    state, error = None, None
+    if rank == 0:
+        try:
+            state = rank0_state(engine, tag, gathered, client_state, frozen)
+            # Taken now: client_state and the scheduler's state may change while the files are written.
+            state.index = json.loads(json.dumps(state.index, default=str))
+        except Exception as exc:
+            error = exc
+    agree(error, f"save_checkpoint({save_dir}, tag={tag!r}): collecting the index")
+    tensors, metadata = snapshot
+    async_save_module.start(
+        async_save_module.WriteJob(
+            save_dir=save_dir, tag=tag, tmp=tmp, rank=rank, world_size=len(gathered),
+            tensors=tensors, metadata=metadata, rank0=state, save_latest=save_latest,
+            timeout_s=engine.config.zeroshard.collective_timeout_s,
+        ),
+        copy,
+    )

@@ -47,8 +47,10 @@ def _find_autos(value: Any, path: str, report: _Report) -> bool:
         return False
     if _is_auto(value):
         report.problems.append(
-            f'{path}="auto": "auto" is a placeholder that the Hugging Face integration fills in; '
-            "zeroshard does not. Resolve it to a concrete value before initialize."
+            f'{path}="auto": "auto" is a placeholder that the Hugging Face Trainer and Accelerate fill in '
+            "before they call initialize; zeroshard does not. Pass this config to the Trainer "
+            "(TrainingArguments(deepspeed=...)) or `accelerate launch` (with the `deepspeed` alias: "
+            "`zeroshard install-deepspeed-alias`), or write a concrete value."
         )
         return True
     if isinstance(value, dict):

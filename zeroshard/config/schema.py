@@ -42,6 +42,7 @@ from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
+from zeroshard.config.integration_values import StepsPerPrint, dotted_top_level_key
 from zeroshard.config.monitor import COMET_REFUSAL, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from zeroshard.config.preemption import PreemptionConfig
 from zeroshard.config.sections import (
@@ -141,7 +142,7 @@ class ZeroshardConfig(_Section):
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     communication_data_type: str | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    steps_per_print: JsonInt = Field(10, ge=1)
+    steps_per_print: StepsPerPrint = 10  # or Infinity: never (zeroshard/config/integration_values.py)
     seed: JsonInt | None = None
     dataloader_drop_last: bool = False
     # Ulysses sequence parallelism (docs/sequence-parallel.md): world = data x sequence ranks.
@@ -358,6 +359,10 @@ def _walk(
                     f"{key_path}={_show(value)}: recognised DeepSpeed key, not supported by zeroshard. "
                     f"{unsupported.hint}"
                 )
+        elif not path and dotted_top_level_key(written, section, _section_class):
+            # TRL's "zero_optimization.reduce_bucket_size" at the top level: DeepSpeed reads no such key.
+            report.no_effect.append(f'"{written}" (a top-level key: DeepSpeed reads no dotted key)')
+            report.no_effect_changed.append(report.no_effect[-1])
         else:
             report.problems.append(
                 f"{key_path}: unknown key." + did_you_mean(key, section.json_keys(), key_path=key_path)

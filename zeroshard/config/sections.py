@@ -326,14 +326,17 @@ class ZeroConfig(_Section):
     allgather_bucket_size: JsonInt = Field(500_000_000, ge=1)
     stage3_prefetch_bucket_size: JsonInt = Field(50_000_000, ge=0)
     stage3_param_persistence_threshold: JsonInt = Field(100_000, ge=0)
+    # Stage 3's memory caps (zeroshard/sharding/schedule.py). The reuse distance defaults to 0
+    # (free every unit after each use, as FSDP2 does) where DeepSpeed's is 1e9: a written value
+    # gets DeepSpeed's behaviour (docs/migrating-from-deepspeed.md).
+    stage3_max_live_parameters: JsonInt = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: JsonInt = Field(0, ge=0)
     # Accepted, no effect.
     overlap_comm: bool | None = None
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
     allgather_partitions: bool = True
     use_multi_rank_bucket_allreduce: bool = True
-    stage3_max_live_parameters: JsonInt = Field(1_000_000_000, ge=0)
-    stage3_max_reuse_distance: JsonInt = Field(1_000_000_000, ge=0)
     stage3_model_persistence_threshold: JsonInt = Field(2**63 - 1, ge=0)
     stage3_module_granularity_threshold: JsonInt = 0
     stage3_use_all_reduce_for_fetch_params: bool = False
@@ -364,8 +367,8 @@ class ZeroConfig(_Section):
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
         {
             "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-            "use_multi_rank_bucket_allreduce", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-            "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
+            "use_multi_rank_bucket_allreduce", "stage3_model_persistence_threshold",
+            "stage3_module_granularity_threshold",
             "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
             "stage3_partition_stream_chunk_size", "stage3_gather_16bit_weights_on_model_save",
             "stage3_gather_fp16_weights_on_model_save", "sub_group_size", "load_from_fp32_weights",
@@ -423,6 +426,39 @@ class ZeroConfig(_Section):
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
 
+class CheckpointWriterConfig(_Section):
+    """``checkpoint.writer``: DeepSpeed's checkpoint writer (deepspeed/runtime/model_checkpointing).
+
+    Attributes:
+        decoupled: asynchronous saves: ``save_checkpoint`` returns once the state is copied to
+            host memory and a background thread writes the files (docs/checkpoints.md,
+            "Asynchronous saves"; zeroshard/checkpoint/async_save.py).
+        type: DeepSpeed's writer implementation ("python" or "fast", any case); zeroshard
+            writes its own format either way. "mock" (write nothing) is refused.
+    """
+
+    type: str = "fast"
+    decoupled: bool = False
+    io_buffer_size: JsonInt = Field(64 * 1024**2, ge=1)
+    io_buffer_double: bool = True
+    show_statistics: bool = False
+    data_parallel: str | None = None
+    io_multiplier: JsonInt = Field(1, ge=1)
+
+    NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
+        {"type", "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel", "io_multiplier"}
+    )
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        if value.lower() == "mock":
+            raise ValueError("the mock writer writes nothing; zeroshard always writes the checkpoint. Remove it")
+        if value.lower() not in ("python", "fast"):
+            raise ValueError("must be one of mock, python, fast (DeepSpeed's writer types)")
+        return value
+
+
 class CheckpointConfig(_Section):
     """``checkpoint``: DeepSpeed's checkpoint options.
 
@@ -430,14 +466,15 @@ class CheckpointConfig(_Section):
         tag_validation: what ``save_checkpoint`` does when ranks pass different tags:
             "Ignore", "Warn" (DeepSpeed's default) or "Fail"; any capitalisation is accepted
             and stored in this one.
+        writer: DeepSpeed's writer section; its ``decoupled`` turns on asynchronous saves.
     """
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     use_node_local_storage: bool = False
     parallel_write: dict[str, Any] | None = None
-    writer: dict[str, Any] | None = None
+    writer: CheckpointWriterConfig | None = None
 
-    NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"use_node_local_storage", "parallel_write", "writer"})
+    NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"use_node_local_storage", "parallel_write"})
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
         "load_universal": _Unsupported(
             _equals(False), "zeroshard checkpoints load on any world size already; remove it."

@@ -209,7 +209,10 @@ class EngineAPI:
         """Remove the engine's hooks from the module (DeepSpeed's cleanup). The engine cannot
         train afterwards; the module's parameters stay where the stage keeps them (at stage 3,
         shards: gather them first with `GatheredParameters` if the module is to be used alone).
-        The monitors' files are flushed and closed."""
+        The monitors' files are flushed and closed, and an asynchronous save is waited for."""
+        from zeroshard.checkpoint import wait_for_checkpoint
+
+        wait_for_checkpoint("destroy()")
         self.monitor.close()
         self._grads.remove()
         if self._grads.params is not None:  # stage 3's gather and free hooks

@@ -292,11 +292,18 @@ class Engine(EngineAPI):
         self._grads.zero_grad()
 
     # ------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
-        """Write this rank's shards and the shared index under save_dir/tag (atomic)."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True, *, async_save=None):
+        """Write this rank's shards and the shared index under save_dir/tag (atomic); with
+        `async_save` (None: `checkpoint.writer.decoupled`) the files are written in the background."""
         from zeroshard import checkpoint
 
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save=async_save)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save to be written and published; collective."""
+        from zeroshard import checkpoint
+
+        checkpoint.wait_for_checkpoint("engine.wait_for_checkpoint()")
 
     def load_checkpoint(
         self, load_dir, tag=None, load_optimizer_states: bool = True,

@@ -298,6 +298,7 @@ def build_gradient_path(
         schedule = ParamSchedule(
             units, zero.stage3_prefetch_bucket_size, lambda: accumulation.in_backward,
             inputs_reached=lambda unit: path.unit_inputs_reached(unit),
+            max_live_numel=zero.stage3_max_live_parameters, reuse_numel=zero.stage3_max_reuse_distance,
         )
     path = GradientPath(
         module, units, policy, reducer, accumulation,

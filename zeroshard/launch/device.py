@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -132,3 +133,19 @@ def select_device(model: nn.Module | None = None) -> torch.device:
     index = cuda_device_index(world_size)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def move_to_device(item: Any, device: torch.device | str, criterion_func: Callable[[Any], bool] | None = None) -> Any:
+    """DeepSpeed's `deepspeed.runtime.utils.move_to_device`: `item` (a tensor, or lists, tuples
+    and dicts of them) on `device`. With `criterion_func`, a value it accepts is moved in place
+    (its `.data` replaced, so references to it see the move); without, every leaf is `.to(device)`."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device)

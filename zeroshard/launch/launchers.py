@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 # torch.distributed's conventional rendezvous port (torchrun's default, DeepSpeed's too).
 DEFAULT_MASTER_PORT = 29500
+# The file of extra environment variables DeepSpeed's multi-node runner exports to every node
+# (Accelerate writes it for `accelerate launch --use_deepspeed`); zeroshard's launchers do not read it.
+DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 # Slurm jobs sharing a node must not share a port: the port is derived from the job id.
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

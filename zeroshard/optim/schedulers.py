@@ -37,8 +37,8 @@ import torch
 
 from zeroshard.config.suggest import did_you_mean
 
-__all__ = ["OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "accepted_params", "build_scheduler",
-           "param_problems"]
+__all__ = ["OneCycle", "VALID_LR_SCHEDULES", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "accepted_params",
+           "build_scheduler", "param_problems"]
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -484,6 +484,10 @@ SCHEDULERS: dict[str, type[_Schedule]] = {
     "WarmupCosineLR": WarmupCosineLR,
     "OneCycle": OneCycle,
 }
+# DeepSpeed's `deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`: the schedule class names
+# (Accelerate recognises a DeepSpeed schedule object by its class name in this list). DeepSpeed
+# also lists LRRangeTest, which zeroshard does not implement.
+VALID_LR_SCHEDULES = list(SCHEDULERS)
 
 
 def _accepted_params(cls: type[_Schedule]) -> dict[str, inspect.Parameter]:

@@ -100,13 +100,8 @@ def get_data_parallel_rank() -> int:
     return sequence_parallel_layout().data.rank
 
 
-def get_model_parallel_group():
-    return sequence_parallel_layout().model.handle
-
-
-def get_model_parallel_world_size() -> int:
-    return 1
-
-
-def get_model_parallel_rank() -> int:
-    return 0
+# DeepSpeed's sequence mpu aliases model parallelism to sequence parallelism (its only other
+# dimension); code written against it (DeepSpeed's own Ulysses tests) reads the sequence rank there.
+get_model_parallel_group = get_sequence_parallel_group
+get_model_parallel_world_size = get_sequence_parallel_world_size
+get_model_parallel_rank = get_sequence_parallel_rank

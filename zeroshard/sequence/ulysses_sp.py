@@ -175,11 +175,14 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
         model = model_name_or_path if hasattr(model_name_or_path, "config") else None
         config = model.config if model is not None else AutoConfig.from_pretrained(model_name_or_path)
-        model_impl = getattr(config, "_attn_implementation", None)
+        # Only a loaded model's implementation is resolved: a config read from a path still holds
+        # transformers' unresolved default, so there is nothing to compare (DeepSpeed does the same).
+        model_impl = getattr(config, "_attn_implementation", None) if model is not None else None
         if model_impl is not None and model_impl != core_attn_implementation:
+            # DeepSpeed's wording, so scripts and tests that match it keep working.
             raise ValueError(
-                f"core_attn_implementation={core_attn_implementation!r} does not match the model's attention "
-                f"implementation {model_impl!r}. Load the model with attn_implementation="
+                f"core_attn_implementation='{core_attn_implementation}' does not match model config "
+                f"attn_implementation='{model_impl}'. Load the model with attn_implementation="
                 f"{core_attn_implementation!r}, or register {model_impl!r}."
             )
         text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -189,6 +189,11 @@ class FlatParamGroup:
         return 0, self.padded_numel
 
     # ------------------------------------------------------ full buffer storage
+    @property
+    def full_held(self) -> bool:
+        """Stage 3: the full buffer holds storage (gathered, or a gather in flight)."""
+        return self.params_sharded and (self.state is ShardState.UNSHARDED or self._pending_gather is not None)
+
     def free_full(self) -> None:
         if self.policy.keep_full_params:
             return

@@ -143,13 +143,11 @@ class SequenceParallelGroups:
         sequence: the SP consecutive ranks sharing one sample's sequence.
         data: the DP strided ranks holding the same sequence slice of different samples.
         sequence_data: every rank of the layout (data x sequence).
-        model: this rank alone (no tensor parallelism; DeepSpeed's mpu protocol asks for it).
     """
 
     sequence: Group
     data: Group
     sequence_data: Group
-    model: Group
 
 
 @dataclass(eq=False)
@@ -301,8 +299,7 @@ class ParallelLayout:
             return found
 
         sequence, data = mine(blocks), mine(strides)
-        model = mine([(r,) for r in world.ranks])
-        self.sequence_mpu = SequenceParallelGroups(sequence, data, world, model)
+        self.sequence_mpu = SequenceParallelGroups(sequence, data, world)
         return self.sequence_mpu
 
     def drop_sequence_mpu(self) -> None:

@@ -12,7 +12,13 @@ A unit's parameters exist only around its forward and its backward (DESIGN secti
   exceeds `stage3_prefetch_bucket_size` (a 1B+ transformer block does, and never
   prefetching would expose every gather), then more while they fit in that many elements;
 * a forward inside a backward is an activation checkpoint's recomputation: its parameters
-  stay gathered for the backward that follows, and it prefetches in backward order.
+  stay gathered for the backward that follows, and it prefetches in backward order;
+* DeepSpeed's caps: a unit whose next use (in the last forward's order: the rest of that
+  forward, then the backward down to the unit) comes within `stage3_max_reuse_distance`
+  elements (strictly: 0 keeps nothing) stays gathered from its forward to its backward
+  instead of being freed and gathered again; `stage3_max_live_parameters` bounds the elements
+  that prefetching and keeping for reuse hold gathered (the gather a unit needs to run is
+  never refused, so the peak is at most the cap plus the root's and one unit's elements).
 
 [Note: reductions in the same order on every rank]
 At stage 3 the gradient reductions share the shard group with the backward all-gathers, so
@@ -65,6 +71,8 @@ class ParamSchedule:
     Args:
         units: the engine's units, root first.
         prefetch_numel: stage3_prefetch_bucket_size (elements gathered ahead).
+        max_live_numel: stage3_max_live_parameters (see the caps above).
+        reuse_numel: stage3_max_reuse_distance (0: free every unit after each use).
         in_backward: whether a backward is running now (the gradient path knows).
         inputs_reached: called when a backward has computed the gradient of every forward
             input of a unit (the gradient path reduces it: see the note above).
@@ -76,10 +84,17 @@ class ParamSchedule:
         prefetch_numel: int,
         in_backward: Callable[[], bool],
         inputs_reached: Callable[[Unit], None] | None = None,
+        max_live_numel: int = 1_000_000_000,
+        reuse_numel: int = 0,
     ) -> None:
         self.units = units
         self.root = units[0]
         self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.reuse_numel = reuse_numel
+        self._reuse_distance: dict[int, int] = {}  # unit id -> elements until its next use
+        self._kept: dict[int, Unit] = {}  # kept gathered from the forward for its backward
+        self.peak_held_numel = 0  # the most elements held gathered at once (a diagnostic)
         self._in_backward = in_backward
         self._inputs_reached = inputs_reached or (lambda unit: None)
         self._order_now: list[Unit] = []  # units in the order the running forward used them
@@ -149,9 +164,11 @@ class ParamSchedule:
             if self._order_now:
                 self._forward_order = list(self._order_now)
                 self._position = {id(u): i for i, u in enumerate(self._forward_order)}
+                self._reuse_distance = self._distances(self._forward_order)
             if not backward_may_follow:
                 for unit in self._pinned_now:
                     self._pinned.pop(id(unit), None)
+                self._kept.clear()
             self._pinned_now = []
             self.free_all(keep_pinned=True)  # including prefetched units the forward did not reach
 
@@ -162,17 +179,44 @@ class ParamSchedule:
     def unit_reduced(self, unit: Unit) -> None:
         """The unit's gradient is queued for reduction: its parameters are not needed until
         the next forward (the root unit's may still be, by any later unit's backward)."""
+        self._kept.pop(id(unit), None)
         if unit is not self.root and id(unit) not in self._pinned:
             unit.free()
 
     def free_all(self, keep_pinned: bool = False) -> None:
         """Free every unit (a no-op for resident ones); without `keep_pinned`, the end of a
-        backward (or a step), release every pin first."""
+        backward (or a step), release every pin and every unit kept for reuse first."""
         if not keep_pinned:
             self._pinned.clear()
+            self._kept.clear()
         for unit in self.units:
-            if id(unit) not in self._pinned:
+            if id(unit) not in self._pinned and id(unit) not in self._kept:
                 unit.free()
+
+    # ------------------------------------------------------------------ caps
+    @staticmethod
+    def _distances(order: list[Unit]) -> dict[int, int]:
+        """Elements gathered between a unit's (last) forward use and its backward: the units
+        after it in the forward, then the same units again in the backward."""
+        distances, after = {}, 0
+        for unit in reversed(order):
+            distances.setdefault(id(unit), 2 * after)
+            after += unit.sharded_numel
+        return distances
+
+    def _held_numel(self) -> int:
+        held = sum(unit.held_numel for unit in self.units)
+        self.peak_held_numel = max(self.peak_held_numel, held)
+        return held
+
+    def _keep_for_reuse(self, unit: Unit) -> bool:
+        """Keep the unit gathered from its forward to its backward (see the caps above)."""
+        distance = self._reuse_distance.get(id(unit))
+        return (
+            # Strictly within, as DeepSpeed counts: a distance of 0 keeps nothing.
+            distance is not None and distance < self.reuse_numel and torch.is_grad_enabled()
+            and self._held_numel() <= self.max_live_numel
+        )
 
     # ------------------------------------------------------------ direct use
     def _outside(self, unit: Unit) -> bool:
@@ -216,6 +260,7 @@ class ParamSchedule:
             self._running.add(id(unit))
             self._rewatch(unit)
             unit.gather()
+            self._held_numel()
             if self._in_backward():
                 self._prefetch(unit, -1)  # a checkpoint's recomputation: backward order
                 return None
@@ -245,7 +290,10 @@ class ParamSchedule:
             # During a backward the forward is a checkpoint's recomputation: the backward
             # that follows needs the parameters, so they are freed after it instead.
             if not self._in_backward() and id(unit) not in self._pinned:
-                unit.free()
+                if self._keep_for_reuse(unit):
+                    self._kept[id(unit)] = unit
+                else:
+                    unit.free()
 
             def on_grad(grad):
                 unit.gather()
@@ -315,12 +363,18 @@ class ParamSchedule:
         if position is None:
             return
         budget = self.prefetch_numel
+        room = self.max_live_numel - self._held_numel()  # stage3_max_live_parameters: never exceeded
         j = position + direction
         while 0 <= j < len(self._forward_order):
             nxt = self._forward_order[j]
             if nxt.numel > budget and j != position + direction:
                 return
+            missing = nxt.sharded_numel - nxt.held_numel
+            if missing > room:
+                return
             budget -= nxt.numel
+            room -= missing
             nxt.start_gather()
             j += direction
+        self._held_numel()
 

@@ -28,6 +28,16 @@ class Unit:
     def numel(self) -> int:
         return sum(f.numel for f in self.flats)
 
+    @property
+    def sharded_numel(self) -> int:
+        """Elements gathered and freed at stage 3 (not the resident flats')."""
+        return sum(f.numel for f in self.flats if f.params_sharded)
+
+    @property
+    def held_numel(self) -> int:
+        """Elements whose full storage is held now (gathered or being gathered)."""
+        return sum(f.numel for f in self.flats if f.full_held)
+
     # ---------------------------------------------------------- readiness
     def mark_fired(self, index: int, flat: FlatParamGroup) -> None:
         self._fired.add((id(flat), index))

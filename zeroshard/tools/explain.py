@@ -188,12 +188,16 @@ def explain_data(
         estimate = estimate_for_config(config, plan, counts, unit_numels=units, expert_counts=expert_counts)
         if config.optimizer is not None and config.optimizer.type.lower() == "muon":
             from zeroshard.optim.muon.optimizer import muon_param_plan
+            from zeroshard.optim.muon.plan_report import muon_group_report
 
             choices = muon_param_plan(model, config.optimizer.params)
+            masters = {role.master_dtype for role in plan.groups.values()}
             data["model"]["muon"] = {
                 "muon": [c.name for c in choices if c.use_muon],
                 "adamw": [c.name for c in choices if not c.use_muon],
                 "reasons": {c.name: c.reason for c in choices},
+                "groups": muon_group_report(model, config.optimizer.params, min(masters, key=lambda d: d.itemsize),
+                                            config.zero_optimization.optimizer_offload),
             }
     elif num_params is not None:
         estimate = estimate_for_config(config, plan, num_params)
@@ -211,6 +215,24 @@ def explain_data(
         "estimate": estimate.as_dict() if estimate else None,
     }
     return data
+
+
+def _print_muon_groups(console: Any, groups: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title="Muon: optimizer groups")
+    for column in ("group", "lr", "Newton-Schulz matrices (tensors x cut)", "ns_method", "NS dtype"):
+        table.add_column(column)
+    for g in groups:
+        if g["optimizer"] != "Muon":
+            table.add_row("AdamW", f"{g['lr']:g}", f"none ({g['tensors']} tensors)", "-", "-")
+            continue
+        blocks = "\n".join(f"{count} x {cut}" for cut, count in g["blocks"].items())
+        dtypes = "\n".join(f"{where} {dtype}" for where, dtype in g["ns_compute_dtype"].items())
+        label = "Muon\nper-head" if g["per_head"] else "Muon\nwhole"
+        table.add_row(label, f"{g['lr']:g}", blocks, f"{g['ns_method']}\n{g['ns_steps']} steps",
+                      f"{g['ns_dtype']}:\n{dtypes}")
+    console.print(table)
 
 
 def _autoep_given(config: ZeroshardConfig) -> dict[str, Any]:
@@ -337,6 +359,7 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
                 kind = "Muon" if name in model["muon"]["muon"] else "AdamW"
                 muon_table.add_row(name, kind, reason)
             console.print(muon_table)
+            _print_muon_groups(console, model["muon"]["groups"])
     moe = data.get("moe")
     if moe:
         console.print(f"dense parameters: sharded over ranks {moe['dense_sharded_over']}")

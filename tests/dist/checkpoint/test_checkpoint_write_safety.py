@@ -86,7 +86,7 @@ def test_failed_save_temporaries_are_cleaned_by_the_next_save(engine, tmp_path, 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_save, "_write_rank0_files", disk_full)
+    monkeypatch.setattr(checkpoint_save, "write_rank0_files", disk_full)
     with pytest.raises(OSError, match="No space left"):
         engine.save_checkpoint(str(save_dir), tag="first")
     monkeypatch.undo()

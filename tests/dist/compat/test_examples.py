@@ -48,6 +48,22 @@ def test_train_moe_runs_under_torchrun():
     assert all(0.5 < float(aux) < 2.0 and float(norm) > 0 for _, _, aux, norm in steps)
 
 
+def test_muon_per_head_runs_under_zeroshard_launch():
+    """docs/muon.md's example: a custom model's head attributes give per-head Muon at ZeRO-3 on 2
+    processes (q/k/v rows, o columns, GQA), the Conv1d is one matrix, and the loss falls."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "zeroshard", "launch", "--nproc", "2",
+           str(ROOT / "examples" / "muon_per_head.py"), "--steps", "8"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for line in ("attn.k.weight      Muon  per-head: 2 row blocks 8x32",
+                 "attn.o.weight      Muon  per-head: 4 column blocks 32x8",
+                 "mix.weight         Muon  3-D, viewed as 32x96"):
+        assert line in result.stdout, result.stdout
+    losses = [float(v) for _, v in re.findall(r"step\s+(\d+)\s+loss\s+([0-9.]+)", result.stdout)]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, result.stdout
+
+
 def test_autoep_moonlight_tiny_runs_under_zeroshard_launch():
     """docs/moe.md's AutoEP example: AutoEP (autoep_size 2) + Muon + ZeRO-2 on 2 processes; the
     loss falls and the export strict-loads into the unswapped Hugging Face model."""

@@ -43,6 +43,7 @@ class Block(nn.Module):
         self.up = nn.Linear(DIM, 2 * DIM)  # weight 12x6: tall (transposed in NS), scale sqrt(2)
         self.down = nn.Linear(2 * DIM, DIM, bias=False)  # 6x12: wide (the Gram form)
         self.experts = nn.Parameter(torch.randn(2, DIM, DIM) * 0.3)  # 3-D: two square experts
+        self.experts.is_expert_group = True  # marked: a stack, orthogonalized per expert
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         mixed = torch.einsum("btd,edk->btk", h, self.experts) / 2
@@ -201,8 +202,8 @@ def train_cases(cases: list[tuple[int, str, float, bool]]) -> list[dict]:
                 muon_comm = [(r.op, r.dtype, r.numel) for r in log.records if r.tag == "muon"]
             history.append(_full_params(engine))
         muon_groups = engine.optimizer.param_groups
-        muon_flats = [(f.padded_numel, max(math.prod(matrix_layout(s)[1:]) for s in f.shapes)) for f in engine.flats
-                      if muon_groups[f.optimizer_group]["use_muon"]]
+        muon_flats = [(f.padded_numel, max(math.prod(matrix_layout(s, len(s) == 3)[1:]) for s in f.shapes))
+                      for f in engine.flats if muon_groups[f.optimizer_group]["use_muon"]]
         results.append({"history": history, "muon_comm": muon_comm, "muon_flats": muon_flats})
     return results
 

@@ -45,6 +45,7 @@ class StackedExperts(nn.Module):
         for p in (self.experts.w1, self.experts.w2):
             p.allreduce = False
             p.group_name = expert_group_name(ep_size)
+            p.is_expert_group = True  # as AutoEP marks its stacks
         self.count = NUM_EXPERTS // ep_size
         self.first = first
         self.offset = 0  # the full stack (the one-process reference) reads from row `first`

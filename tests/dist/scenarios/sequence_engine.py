@@ -83,21 +83,25 @@ def reference(sp: int, steps: int = STEPS) -> dict[str, Any]:
     return {"losses": losses, "params": params, "grads": first_grads}
 
 
-def train(stages: list[int], sp: int, steps: int = STEPS, via_config: bool = False) -> list[dict[str, Any]]:
+def train(stages: list[int], sp: int, steps: int = STEPS, via: str = "mpu") -> list[dict[str, Any]]:
     """For each ZeRO stage: this rank's losses per step and the full parameters after STEPS.
 
-    `via_config`: sequence parallelism from the config's `sequence_parallel_size` and
-    `data_parallel_size` instead of `initialize(..., mpu=)`."""
+    `via`: where the sequence-parallel groups come from: "mpu" (`initialize(..., mpu=)`),
+    "config" (the config's `sequence_parallel_size` and `data_parallel_size`) or "mesh"
+    (`initialize(..., mesh_param=(dp, sp))`, DeepSpeed's way)."""
     results = []
     ref = reference(sp, steps)
     for stage in stages:
         model = tiny_llama("sdpa")
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, MICRO)
         try:
-            if via_config:
+            if via == "config":
                 config = {**_config(stage), "sequence_parallel_size": sp,
                           "data_parallel_size": dist.get_world_size() // sp}
                 engine, *_ = zeroshard.initialize(model=model, config=config)
+            elif via == "mesh":
+                mesh = (dist.get_world_size() // sp, sp)
+                engine, *_ = zeroshard.initialize(model=model, config=_config(stage), mesh_param=mesh)
             else:
                 engine, *_ = zeroshard.initialize(model=model, config=_config(stage), mpu=mpu)
             sp_rank, group = mpu.get_sequence_parallel_rank(), mpu.get_data_parallel_rank()

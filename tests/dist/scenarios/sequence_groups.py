@@ -29,7 +29,8 @@ def describe(sizes: list[int]) -> dict[str, Any]:
                        mpu.get_data_parallel_rank()),
                 "sdp": (_ranks(mpu.get_sequence_data_parallel_group()), mpu.get_sequence_data_parallel_world_size(),
                         mpu.get_sequence_data_parallel_rank()),
-                "mp": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()),
+                "mp": (_ranks(mpu.get_model_parallel_group()), mpu.get_model_parallel_world_size(),
+                       mpu.get_model_parallel_rank()),
                 "groups": (_ranks(groups._get_sequence_parallel_group()), groups._get_sequence_parallel_world_size(),
                            groups._get_sequence_parallel_rank()),
             }

@@ -21,12 +21,13 @@ TIMEOUT_S = 600
 STAGES = [1, 2, 3]
 
 
-@pytest.mark.parametrize("world, sp, via_config", [(2, 2, False), (4, 2, False), (4, 2, True)])
-def test_sequence_parallel_training_equals_data_parallel(dist_pool, world: int, sp: int, via_config: bool) -> None:
-    """`via_config`: the groups come from the config's sequence_parallel_size and
-    data_parallel_size rather than initialize(mpu=) (stage 2 only: the same path otherwise)."""
-    stages = [2] if via_config else STAGES
-    runs = dist_pool(world).run(train, stages, sp, via_config=via_config, timeout=TIMEOUT_S)
+@pytest.mark.parametrize("world, sp, via", [(2, 2, "mpu"), (4, 2, "mpu"), (4, 2, "config"), (4, 2, "mesh")])
+def test_sequence_parallel_training_equals_data_parallel(dist_pool, world: int, sp: int, via: str) -> None:
+    """`via`: the groups come from initialize(mpu=), from the config's sequence_parallel_size and
+    data_parallel_size, or from DeepSpeed's initialize(mesh_param=(dp, sp)) (the last two at
+    stage 2 only: the same path otherwise)."""
+    stages = STAGES if via == "mpu" else [2]
+    runs = dist_pool(world).run(train, stages, sp, via=via, timeout=TIMEOUT_S)
     for rank, results in enumerate(runs):
         for result in results:
             label = f"world {world} sp {sp} rank {rank} stage {result['stage']}"

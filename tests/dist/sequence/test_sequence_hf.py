@@ -73,7 +73,8 @@ def test_eval_path_registry_and_refusals(dist_pool) -> None:
         assert result == {"loaded": ["kernels-community/fake-attn"], "sdpa_untouched": True,
                           "wrapped": "ulysses_attention"}, result
     for messages in pool.run(refusals, timeout=TIMEOUT_S):
-        assert "core_attn_implementation='eager' does not match the model's attention implementation 'sdpa'" in (
+        # DeepSpeed 0.19's wording (its test matches "does not match model config attn_implementation").
+        assert "core_attn_implementation='eager' does not match model config attn_implementation='sdpa'" in (
             messages[0]), messages
         assert "num_attention_heads=3 is not divisible by sequence_parallel_size=2" in messages[1], messages
         assert "num_key_value_heads=3 and sequence_parallel_size=2 must divide one another" in messages[2], messages

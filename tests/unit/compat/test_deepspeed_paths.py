@@ -19,7 +19,7 @@ import zeroshard
 from tests.unit.compat.test_migration_doc import _code, _present_rows
 
 PACKAGE_DIR = Path(zeroshard.__file__).parent
-SHIM_PACKAGES = ("runtime", "utils", "module_inject", "ops")
+SHIM_PACKAGES = ("runtime", "utils", "module_inject", "ops", "accelerator", "launcher")
 SHIM_FILES = sorted(p for package in SHIM_PACKAGES for p in (PACKAGE_DIR / package).rglob("*.py"))
 
 

@@ -86,6 +86,9 @@ def test_console_transcript_prints_what_the_page_says(body, tmp_path, monkeypatc
         command, echo_status = re.subn(r';\s*echo "exit \$\?"$', "", command)
         argv = shlex.split(command)
         assert argv[0] == "zeroshard", f"a transcript runs zeroshard or echo, not {command!r}"
+        # It would install into this test environment's site-packages: such a block is a `shell` one,
+        # run by tests/unit/tools/test_deepspeed_alias.py with --target.
+        assert argv[1:2] != ["install-deepspeed-alias"] or "--target" in argv, command
         printed, status = _run_zeroshard(argv[1:], capsys)
         output += printed + (f"exit {status}\n" if echo_status else "")
     actual = _collapse(output)
@@ -248,6 +251,16 @@ def test_checkpoint_resume_is_bit_exact_and_the_export_is_the_trained_model(run_
     x, y = example.batch(1, 0)
     # 2e-6 absolute: the print rounds to 1e-6; two fp32 steps in another kernel differ by ~1e-7.
     assert exported_loss == pytest.approx(nn.functional.mse_loss(model(x), y).item(), abs=2e-6)
+
+
+def test_checkpoint_async_resumes_from_the_checkpoint_written_while_training(run_example, tmp_path):
+    """docs/checkpoints.md, "Asynchronous saves": the checkpoint written while steps 3-4 ran
+    holds the step-2 state: a fresh engine loaded from it repeats those losses bit for bit."""
+    out = run_example("checkpoint_async.py", str(tmp_path / "ckpt"))
+    assert "bit-exact: True" in out, out
+    assert "latest: step4" in out, out
+    assert (tmp_path / "ckpt" / "step4" / "index.json").is_file()
+    assert not list((tmp_path / "ckpt").glob(".*.tmp"))
 
 
 def test_skip_nonfinite_step_leaves_the_parameters(run_example):

@@ -30,6 +30,7 @@ def test_empty_config_takes_deepspeed_defaults():
     assert zero.stage3_prefetch_bucket_size == 50_000_000
     assert zero.stage3_param_persistence_threshold == 100_000
     assert zero.stage3_max_live_parameters == 1_000_000_000
+    assert zero.stage3_max_reuse_distance == 0  # DeepSpeed: 1e9 (zeroshard frees after each use: sections.py)
     assert zero.overlap_comm is False and zero.contiguous_gradients is True and zero.reduce_scatter is True
     assert cfg.optimizer is None and cfg.scheduler is None and cfg.seed is None
     assert cfg.zeroshard.unit_module_classes is None and cfg.zeroshard.unit_min_params == 0
@@ -195,8 +196,10 @@ def test_auto_must_be_resolved_before_initialize(raw, path):
     with pytest.raises(ConfigError) as info:
         resolve_config(raw)
     assert info.value.problems == [
-        f'{path}="auto": "auto" is a placeholder that the Hugging Face integration fills in; zeroshard does not. '
-        "Resolve it to a concrete value before initialize."
+        f'{path}="auto": "auto" is a placeholder that the Hugging Face Trainer and Accelerate fill in before they '
+        "call initialize; zeroshard does not. Pass this config to the Trainer (TrainingArguments(deepspeed=...)) or "
+        "`accelerate launch` (with the `deepspeed` alias: `zeroshard install-deepspeed-alias`), or write a concrete "
+        "value."
     ]
 
 
@@ -245,7 +248,7 @@ def test_inert_values_of_unsupported_keys_and_no_effect_knobs_are_accepted_and_l
             "stage": 3,
             "offload_optimizer": {"device": "none", "buffer_count": 4},
             "overlap_comm": True,
-            "stage3_max_live_parameters": 1e9,
+            "use_multi_rank_bucket_allreduce": True,
             "sub_group_size": 1e9,
         },
     }
@@ -259,17 +262,18 @@ def test_inert_values_of_unsupported_keys_and_no_effect_knobs_are_accepted_and_l
             "fp16.auto_cast",
             "zero_optimization.offload_optimizer.buffer_count",
             "zero_optimization.overlap_comm",
-            "zero_optimization.stage3_max_live_parameters",
+            "zero_optimization.use_multi_rank_bucket_allreduce",
             "zero_optimization.sub_group_size",
         ]
     )
 
 
 def test_no_effect_knob_set_to_something_warns_once():
-    raw = {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 12345}}
-    with pytest.warns(UserWarning, match=r"change nothing here: zero_optimization\.stage3_max_reuse_distance"):
+    raw = {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 12345}}
+    key = r"zero_optimization\.stage3_module_granularity_threshold"
+    with pytest.warns(UserWarning, match=r"change nothing here: " + key):
         cfg = resolve_config(raw)
-    assert cfg.no_effect_keys == ["zero_optimization.stage3_max_reuse_distance"]
+    assert cfg.no_effect_keys == ["zero_optimization.stage3_module_granularity_threshold"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         resolve_config(raw)  # already warned in this process

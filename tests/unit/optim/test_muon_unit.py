@@ -39,6 +39,7 @@ class Net(nn.Module):
         self.down = nn.Linear(12, 6, bias=False)
         self.square = nn.Linear(6, 6)
         self.experts = nn.Parameter(torch.randn(3, 6, 6) * 0.3)
+        self.experts.is_expert_group = True  # a stack of expert matrices (DeepSpeed's mark)
         self.conv = nn.Conv2d(1, 2, kernel_size=2)
         self.norm = nn.LayerNorm(6)
         self.gain = nn.Parameter(torch.tensor(1.5))
@@ -154,7 +155,8 @@ def test_use_muon_attribute_overrides_the_name_rules():
 
 def test_matrix_layout():
     assert matrix_layout((12, 6)) == (1, 12, 6)
-    assert matrix_layout((8, 4, 6)) == (8, 4, 6)  # experts
+    assert matrix_layout((8, 4, 6), is_expert_group=True) == (8, 4, 6)  # marked experts
+    assert matrix_layout((8, 4, 6)) == (1, 8, 24)  # unmarked 3-D (Conv1d): one (out, rest) matrix
     assert matrix_layout((16, 3, 3, 3)) == (1, 16, 27)  # conv: (out, rest)
 
 

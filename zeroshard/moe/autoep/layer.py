@@ -136,6 +136,7 @@ class GroupedExperts(nn.Module):
         for p in (self.w1, self.w2, self.w3):  # after the carried marks: these define the stacks
             p.allreduce = False  # DeepSpeed's expert-parameter markers (zeroshard/moe/utils.py)
             p.group_name = group_name
+            p.is_expert_group = True  # a stack of expert matrices: Muon orthogonalizes each on its own
         self.use_grouped_mm = True
         self.force_native_grouped_mm = False
         self.path: ExpertPath | None = None

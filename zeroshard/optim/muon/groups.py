@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.optim.muon.blocks import BlockLayout, block_layout, param_block_layout
+from zeroshard.optim.muon.heads import prepare_muon_marks
 from zeroshard.optim.muon.settings import (
     ADAM_KEYS,
     DEFAULT_EXCLUDE_MODULES,
@@ -29,6 +31,7 @@ class MuonChoice:
     shape: tuple[int, ...]
     use_muon: bool
     reason: str
+    layout: BlockLayout | None = None  # the blocks Newton-Schulz sees (Muon parameters only)
 
 
 def full_shape(p: torch.Tensor) -> torch.Size:
@@ -36,25 +39,10 @@ def full_shape(p: torch.Tensor) -> torch.Size:
     return torch.Size(getattr(p, "ds_shape", p.shape)) if p.numel() == 0 else p.shape
 
 
-def matrix_layout(shape: Sequence[int]) -> tuple[int, int, int]:
-    """(count, rows, cols): how a parameter of full shape `shape` is orthogonalized.
-
-    2-D is one matrix; 3-D is a stack of `shape[0]` matrices (stacked expert weights);
-    4-D and more (conv weights) is one (out, rest) matrix.
-    """
-    if len(shape) < 2:
-        raise ValueError(f"shape {tuple(shape)} is not a matrix")
-    if len(shape) == 2:
-        return 1, shape[0], shape[1]
-    if len(shape) == 3:
-        return shape[0], shape[1], shape[2]
-    return 1, shape[0], math.prod(shape[1:])
-
-
 def classify_parameter(
     name: str, shape: Sequence[int], exclude_patterns: Sequence[str] = DEFAULT_EXCLUDE_PATTERNS,
     is_embedding: bool = False, exclude_modules: Sequence[str] = DEFAULT_EXCLUDE_MODULES,
-    forced: bool | None = None,
+    forced: bool | None = None, layout: BlockLayout | None = None,
 ) -> MuonChoice:
     """Muon or AdamW for one parameter, decided on its full shape and name.
 
@@ -62,7 +50,8 @@ def classify_parameter(
     `use_muon` attribute, DeepSpeed's tag) decides next; then an `nn.Embedding` weight, a
     name containing one of `exclude_patterns`, or a name with one of `exclude_modules` as a
     whole dotted component (MoE routers: `...gate.wg.weight`, `mlp.gate.weight`,
-    `router.weight`) get AdamW; every other matrix gets Muon.
+    `router.weight`) get AdamW; every other matrix gets Muon, cut into `layout`'s blocks
+    (default: the unmarked layout of blocks.py, so a 3-D weight is one matrix).
 
     Raises:
         ValueError: `forced` is True for a parameter that is not a matrix.
@@ -87,25 +76,26 @@ def classify_parameter(
         for module in exclude_modules:
             if module in components:
                 return MuonChoice(name, shape, False, f"router: name component {module!r}")
-    count, rows, cols = matrix_layout(shape)
-    if len(shape) == 2:
-        reason = f"matrix {rows}x{cols}"
-    elif len(shape) == 3:
-        reason = f"{count} stacked matrices {rows}x{cols}"
-    else:
-        reason = f"{len(shape)}-D, viewed as {rows}x{cols}"
+    if layout is None:
+        layout = block_layout(shape, name=name)
+    reason = layout.describe()
+    if layout.kind == "conv":
+        reason = f"{len(shape)}-D, {reason}"
     if forced:
         reason += ", use_muon=True on the parameter"
-    return MuonChoice(name, shape, True, reason)
+    return MuonChoice(name, shape, True, reason, layout)
 
 
 def classify_named_parameter(name: str, p: nn.Parameter, settings: MuonSettings, embeddings: set[int]) -> MuonChoice:
     """`classify_parameter` for a model's parameter, with the settings' exclusions and the
-    parameter's own `use_muon` attribute (absent: None)."""
+    parameter's own `use_muon` attribute (absent: None) and its block marks
+    (`is_expert_group`, the head attributes of blocks.py)."""
     forced = getattr(p, "use_muon", None)
+    shape = full_shape(p)
+    layout = param_block_layout(name, p, shape) if len(shape) >= 2 and shape.numel() > 0 else None
     return classify_parameter(
-        name, full_shape(p), settings.muon_exclude_patterns, id(p) in embeddings, settings.muon_exclude_modules,
-        None if forced is None else bool(forced),
+        name, shape, settings.muon_exclude_patterns, id(p) in embeddings, settings.muon_exclude_modules,
+        None if forced is None else bool(forced), layout,
     )
 
 
@@ -119,6 +109,7 @@ def embedding_param_ids(model: nn.Module) -> set[int]:
 def muon_param_plan(model: nn.Module, params_cfg: Mapping[str, Any] | None = None) -> list[MuonChoice]:
     """Every trainable parameter's optimizer kind and the reason, in model order (`explain`)."""
     settings = parse_muon_params(params_cfg)
+    prepare_muon_marks(model, settings.per_head_muon, settings.per_head_muon_output)
     embeddings = embedding_param_ids(model)
     return [
         classify_named_parameter(n, p, settings, embeddings) for n, p in model.named_parameters() if p.requires_grad
@@ -144,6 +135,7 @@ def split_param_groups(
         hyper-parameter of its kind (user's group keys override the config's).
     """
     settings = parse_muon_params(params_cfg)
+    prepare_muon_marks(model, settings.per_head_muon, settings.per_head_muon_output)
     embeddings = embedding_param_ids(model)
     members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in hyper]
     for name, p in model.named_parameters():
@@ -163,6 +155,7 @@ def split_param_groups(
                             f"{tuple(shape)}: Muon updates whole matrices. Move it to a group with "
                             "use_muon=False."
                         )
+                    param_block_layout(name, p, shape)  # bad marks fail here, before any flat
             parts = [(use_muon, members[index])]
         else:
             kinds = {

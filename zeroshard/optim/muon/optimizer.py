@@ -15,11 +15,15 @@ buffer exists (`classify_parameter`): 2-D or more, not an `nn.Embedding` weight 
 included), a name that contains none of `muon_exclude_patterns` ("embed", "lm_head") and
 has none of `muon_exclude_modules` ("gate", "router": MoE routers) as a dotted component. A
 parameter's own `use_muon` attribute (DeepSpeed's tag) overrides the name and embedding rules.
-A 3-D parameter is a stack of matrices [E, rows, cols] (stacked experts, AutoEP's
-`experts.w1/w2/w3` [local experts, rows, cols]), each expert orthogonalized on its own (with
-its own norm), batched over the expert dimension; 4-D and more (conv) is viewed as
-(out, rest). Files: muon_settings.py (config keys), muon_groups.py (classification and
-the group split), muon_maths.py (shared per-tensor maths), muon_sharded.py (ShardedMuon).
+How a parameter is cut into Newton-Schulz matrices is blocks.py's [Note: Muon blocks]: a
+3-D parameter marked `is_expert_group` is a stack of expert matrices [E, rows, cols] (AutoEP's
+`experts.w1/w2/w3`, Hugging Face's `*Experts` stacks), each orthogonalized on its own (with its
+own norm), batched over the expert dimension; any other N-D weight (conv) is viewed as
+(out, rest); attention projections with head attributes are orthogonalized per head
+(heads.py sets them on Hugging Face models under `per_head_muon`). Files: settings.py
+(config keys), groups.py (classification and the group split), blocks.py and heads.py (the
+Newton-Schulz blocks and their presets), maths.py (shared per-tensor maths), sharded.py
+(ShardedMuon).
 The engine puts the two kinds into separate optimizer groups (`split_param_groups`), so
 each flat buffer, and hence each master tensor, holds one kind only: Muon masters keep one
 state tensor ("momentum_buffer"), AdamW masters two ("exp_avg", "exp_avg_sq") plus "step",
@@ -44,15 +48,16 @@ import torch
 from torch import nn
 
 from zeroshard.monitor.timers import timed
+from zeroshard.optim.muon.blocks import BlockLayout, matrix_layout, param_block_layout
 from zeroshard.optim.muon.groups import (
     MuonChoice,
     classify_named_parameter,
     classify_parameter,
     embedding_param_ids,
-    matrix_layout,
     muon_param_plan,
     split_param_groups,
 )
+from zeroshard.optim.muon.heads import prepare_muon_marks
 from zeroshard.optim.muon.maths import (
     adamw_group_step,
     apply_update,
@@ -137,18 +142,22 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: str = "auto",
         muon_exclude_patterns: Sequence[str] = DEFAULT_EXCLUDE_PATTERNS,
         muon_exclude_modules: Sequence[str] = DEFAULT_EXCLUDE_MODULES,
+        per_head_muon: bool = False,
+        per_head_muon_output: bool = False,
     ) -> None:
         cfg: dict[str, Any] = {
             "momentum": momentum, "weight_decay": weight_decay, "ns_method": ns_method,
             "betas": tuple(betas), "eps": eps, "nesterov": nesterov, "ns_steps": ns_steps,
             "ns_dtype": ns_dtype, "muon_exclude_patterns": tuple(muon_exclude_patterns),
             "muon_exclude_modules": tuple(muon_exclude_modules),
+            "per_head_muon": per_head_muon, "per_head_muon_output": per_head_muon_output,
         }
         for key, value in (("lr", lr), ("muon_lr", muon_lr), ("adam_lr", adam_lr)):
             if value is not None:
                 cfg[key] = value
         settings = parse_muon_params(cfg)
         self.choices: list[MuonChoice] = []  # what was decided for named parameters
+        self._names: dict[int, str] = {}  # for errors about a parameter's block marks
         groups = self._groups(params, settings)
         for group in groups:
             fill_group_defaults(group)
@@ -157,8 +166,14 @@ class Muon(torch.optim.Optimizer):
     def _groups(self, params: Any, settings: MuonSettings) -> list[dict[str, Any]]:
         embeddings: set[int] = set()
         if isinstance(params, nn.Module):
+            prepare_muon_marks(params, settings.per_head_muon, settings.per_head_muon_output)
             embeddings = embedding_param_ids(params)
             params = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
+        elif settings.per_head_muon:
+            raise ValueError(
+                "Muon(per_head_muon=True) reads the attention heads from the model's config: pass the model "
+                "itself, or set the head attributes (p.muon_num_heads, p.muon_head_axis) on its parameters."
+            )
         items = list(params)
         if items and all(isinstance(item, dict) for item in items):
             groups = []
@@ -178,6 +193,7 @@ class Muon(torch.optim.Optimizer):
         self.choices = [
             classify_named_parameter(n, p, settings, embeddings) for n, p in items
         ]
+        self._names = {id(p): n for n, p in items}
         groups = []
         for use_muon in (True, False):
             chosen = [p for (_, p), c in zip(items, self.choices, strict=True) if c.use_muon == use_muon]
@@ -196,25 +212,24 @@ class Muon(torch.optim.Optimizer):
             if not group["use_muon"]:
                 adamw_group_step(params, [self.state[p] for p in params], group)
                 continue
-            # Matrices of one shape are orthogonalized in one batched call.
-            by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            # Blocks of one shape are orthogonalized in one batched call ([Note: Muon blocks]).
+            by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, BlockLayout, torch.Tensor]]] = {}
             for p in params:
                 if p.dim() < 2:
                     raise ValueError(f"Muon: a parameter of shape {tuple(p.shape)} is in a use_muon group.")
                 u = momentum_direction(p.grad, self.state[p], group)
-                _, rows, cols = matrix_layout(p.shape)
-                by_shape.setdefault((rows, cols), []).append((p, u.reshape(-1, rows, cols)))
-            for (rows, cols), pairs in by_shape.items():
-                batch = torch.cat([u for _, u in pairs])
+                layout = param_block_layout(self._names.get(id(p), "parameter"), p)
+                by_shape.setdefault((layout.rows, layout.cols), []).append((p, layout, layout.to_blocks(u)))
+            for (rows, cols), triples in by_shape.items():
+                batch = torch.cat([blocks for _, _, blocks in triples])
                 with timed("newton_schulz"):  # a Muon figure (zeroshard/monitor/timers.py)
                     result = orthogonalize(batch, group["ns_steps"], group["ns_method"],
                                            compute_dtype_of(group, batch))
-                start = 0
-                for p, u in pairs:
-                    o = result[start : start + u.shape[0]].to(u.dtype)
-                    start += u.shape[0]
-                    scale = update_scale(rows, cols)
+                scale = update_scale(rows, cols)
+                for (p, layout, blocks), o in zip(triples, result.split([b.shape[0] for _, _, b in triples]),
+                                                  strict=True):
+                    o = o.to(blocks.dtype)
                     if scale != 1.0:
-                        o.mul_(scale)
-                    apply_update(p, o.reshape(p.shape), group)
+                        o = o * scale
+                    apply_update(p, layout.from_blocks(o).reshape(p.shape), group)
         return loss

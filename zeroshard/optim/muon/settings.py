@@ -24,7 +24,8 @@ MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps", "ns_metho
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 CONFIG_KEYS = frozenset(
     {"lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "ns_method", "betas", "eps",
-     "nesterov", "ns_steps", "ns_dtype", "muon_exclude_patterns", "muon_exclude_modules"}
+     "nesterov", "ns_steps", "ns_dtype", "muon_exclude_patterns", "muon_exclude_modules",
+     "per_head_muon", "per_head_muon_output"}
 )
 
 
@@ -48,6 +49,11 @@ class MuonSettings:
     eps: float = 1e-10
     muon_exclude_patterns: tuple[str, ...] = DEFAULT_EXCLUDE_PATTERNS
     muon_exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE_MODULES
+    # DeepSpeed's key: the presets tag q/k/v (and MLA's q_b_proj / kv_b_proj) with their
+    # heads, rows per head (optim/muon/heads.py). zeroshard's `per_head_muon_output` adds the
+    # output projection, columns per head (DeepSpeed leaves it whole).
+    per_head_muon: bool = False
+    per_head_muon_output: bool = False
 
     def group_defaults(self, use_muon: bool) -> dict[str, Any]:
         """Hyper-parameters of an optimizer group of one kind."""
@@ -83,8 +89,14 @@ def muon_param_problems(params: Mapping[str, Any] | None) -> list[str]:
     for key in ("lr", "muon_lr", "adam_lr", "weight_decay", "eps"):
         _number(problems, params, key, 0.0)
     _number(problems, params, "momentum", 0.0, 1.0, high_open=True)
-    if "nesterov" in params and not isinstance(params["nesterov"], bool):
-        problems.append(f"optimizer.params.nesterov={params['nesterov']!r}: must be true or false.")
+    for key in ("nesterov", "per_head_muon", "per_head_muon_output"):
+        if key in params and not isinstance(params[key], bool):
+            problems.append(f"optimizer.params.{key}={params[key]!r}: must be true or false.")
+    if params.get("per_head_muon_output") and not params.get("per_head_muon"):
+        problems.append(
+            "optimizer.params.per_head_muon_output=true needs per_head_muon=true (it extends the per-head "
+            "split of q/k/v to the output projection); set both, or neither."
+        )
     steps = params.get("ns_steps", DEFAULT_NS_STEPS)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         problems.append(f"optimizer.params.ns_steps={steps!r}: must be an integer >= 1.")
@@ -144,4 +156,6 @@ def parse_muon_params(params: Mapping[str, Any] | None) -> MuonSettings:
         eps=float(params.get("eps", 1e-10)),
         muon_exclude_patterns=tuple(patterns),
         muon_exclude_modules=tuple(params.get("muon_exclude_modules", DEFAULT_EXCLUDE_MODULES)),
+        per_head_muon=bool(params.get("per_head_muon", False)),
+        per_head_muon_output=bool(params.get("per_head_muon_output", False)),
     )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zeroshard.monitor.timers import timed
-from zeroshard.optim.muon.groups import matrix_layout
+from zeroshard.optim.muon.blocks import BlockLayout, param_block_layout
 from zeroshard.optim.muon.maths import (
     adamw_group_step,
     apply_update,
@@ -45,19 +45,31 @@ def assign_owners(costs: Sequence[int], world_size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class _MatrixTask:
-    """One matrix of a Muon flat: where it lives, who orthogonalizes it, where its O is packed."""
+    """One contiguous region of a Muon flat orthogonalized as `blocks` matrices rows x cols
+    (one, or a column-split parameter's heads, see [Note: Muon blocks] in blocks.py): where it
+    lives, who orthogonalizes it, where its O is packed."""
 
     name: str
     flat_offset: int  # first element in the full flat buffer
     rows: int
     cols: int
-    scale: float
+    scale: float  # per block
     owner: int
     pack_offset: int  # first element in its owner's packed buffer
+    blocks: int = 1
+    axis: int = 0  # 1: column blocks, interleaved in the region
 
     @property
     def numel(self) -> int:
-        return self.rows * self.cols
+        return self.blocks * self.rows * self.cols
+
+    @property
+    def layout(self) -> BlockLayout:
+        return BlockLayout(self.blocks, self.rows, self.cols, self.axis)
+
+    def labels(self) -> list[str]:
+        """One name per Newton-Schulz matrix."""
+        return [self.name] if self.blocks == 1 else [f"{self.name}[{h}]" for h in range(self.blocks)]
 
 
 @dataclass(frozen=True)
@@ -68,24 +80,29 @@ class _MuonLayout:
 
 
 def _muon_layout(flat: FlatParamGroup) -> _MuonLayout:
-    pieces = []
-    for name, shape, offset in zip(flat.names, flat.shapes, flat.offsets, strict=True):
+    pieces = []  # (label, offset, rows, cols, blocks, axis)
+    for name, p, shape, offset in zip(flat.names, flat.params, flat.shapes, flat.offsets, strict=True):
         if len(shape) < 2 or math.prod(shape) == 0:
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(shape)}) is in a Muon optimizer group, but Muon "
                 "updates whole matrices. Give it use_muon=False (split_param_groups does)."
             )
-        count, rows, cols = matrix_layout(shape)
-        for e in range(count):
-            label = name if count == 1 else f"{name}[{e}]"
-            pieces.append((label, offset + e * rows * cols, rows, cols))
-    costs = [r * c * min(r, c) for _, _, r, c in pieces]
+        blocks = param_block_layout(name, p, shape)
+        if blocks.axis == 1:  # interleaved column blocks: one task, batched over its heads
+            pieces.append((name, offset, blocks.rows, blocks.cols, blocks.count, 1))
+            continue
+        for e in range(blocks.count):
+            label = name if blocks.count == 1 else f"{name}[{e}]"
+            pieces.append((label, offset + e * blocks.rows * blocks.cols, blocks.rows, blocks.cols, 1, 0))
+    # Balanced by Newton-Schulz work, counted per block.
+    costs = [n * r * c * min(r, c) for _, _, r, c, n, _ in pieces]
     owners = assign_owners(costs, flat.shard_size)  # ranks of the shard group
     loads = [0] * flat.shard_size
     tasks = []
-    for (label, offset, rows, cols), owner in zip(pieces, owners, strict=True):
-        tasks.append(_MatrixTask(label, offset, rows, cols, update_scale(rows, cols), owner, loads[owner]))
-        loads[owner] += rows * cols
+    for (label, offset, rows, cols, n, axis), owner in zip(pieces, owners, strict=True):
+        task = _MatrixTask(label, offset, rows, cols, update_scale(rows, cols), owner, loads[owner], n, axis)
+        tasks.append(task)
+        loads[owner] += task.numel
     return _MuonLayout(flat, tuple(tasks), max(loads))
 
 
@@ -128,8 +145,9 @@ class ShardedMuon(torch.optim.Optimizer):
         self._layouts = layouts
 
     def owner_of(self) -> dict[str, int]:
-        """Matrix name -> owner rank, over every Muon master (for tests and `explain`)."""
-        return {t.name: t.owner for layout in self._layouts.values() for t in layout.tasks}
+        """Newton-Schulz matrix (a parameter, an expert `name[e]` or a head block `name[h]`)
+        -> owner rank, over every Muon master (for tests and `explain`)."""
+        return {label: t.owner for layout in self._layouts.values() for t in layout.tasks for label in t.labels()}
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
@@ -174,12 +192,12 @@ class ShardedMuon(torch.optim.Optimizer):
         for task in layout.tasks:
             if task.owner == flat.shard_rank:
                 mine.setdefault((task.rows, task.cols), []).append(task)
-        for (rows, cols), tasks in mine.items():
-            batch = torch.stack([full_u.narrow(0, t.flat_offset, t.numel).view(rows, cols) for t in tasks])
+        for tasks in mine.values():
+            batch = torch.cat([t.layout.to_blocks(full_u.narrow(0, t.flat_offset, t.numel)) for t in tasks])
             with timed("newton_schulz"):  # a Muon figure (zeroshard/monitor/timers.py)
                 result = orthogonalize(batch, group["ns_steps"], group["ns_method"], compute_dtype)
-            for t, o in zip(tasks, result, strict=True):
-                packed.narrow(0, t.pack_offset, t.numel).copy_(o.reshape(-1))
+            for t, o in zip(tasks, result.split([t.blocks for t in tasks]), strict=True):
+                packed.narrow(0, t.pack_offset, t.numel).copy_(t.layout.from_blocks(o))
         if flat.shard_size > 1:
             every = torch.empty(flat.shard_size * layout.pack_numel, dtype=compute_dtype, device=p.device)
             all_gather_shards([GatherPiece(packed, every)], group=flat.spec.shard, tag="muon").wait()

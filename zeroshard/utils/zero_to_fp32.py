@@ -1,0 +1,14 @@
+"""DeepSpeed's `deepspeed.utils.zero_to_fp32` path: consolidation of a sharded checkpoint
+(zeroshard/checkpoint/zero_to_fp32.py)."""
+
+from zeroshard.checkpoint.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
+
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
+]
