@@ -27,6 +27,7 @@ from tests.dist.checkpoint.test_checkpoint_helpers import (
     train,
 )
 from zeroshard.checkpoint import save as save_module
+from zeroshard.checkpoint import write as write_module
 from zeroshard.launch.signals import STOP
 
 SIGNALLED = 1  # the rank that receives the signal (rank 0 for "two_signals")
@@ -78,7 +79,7 @@ def preempted_run(kind: str, stage: int, mode: str, save_dir: str, steps: int = 
     """
     rank = dist.get_rank()
     STOP.clear()
-    original_writer = save_module._write_rank_file
+    original_writer = save_module.write_rank_file
     try:
         engine = _engine(stage, mode, save_dir)
         code, evaluated, user_save = None, None, None
@@ -109,9 +110,9 @@ def preempted_run(kind: str, stage: int, mode: str, save_dir: str, steps: int = 
                             _kill_self(signal.SIGTERM)
                             return original_writer(*args, **kwargs)
 
-                        save_module._write_rank_file = writer
+                        save_module.write_rank_file = writer
                     user_save = engine.save_checkpoint(Path(save_dir) / "user", tag="user2")
-                    save_module._write_rank_file = original_writer
+                    save_module.write_rank_file = original_writer
                 if step == 1 and kind.startswith("mid_eval"):
                     evaluated = _eval(engine, 3, poll=kind == "mid_eval")
                     if kind == "mid_eval" and engine.should_stop():
@@ -135,7 +136,7 @@ def preempted_run(kind: str, stage: int, mode: str, save_dir: str, steps: int = 
         return {"code": code, "stopped_at": stopped_at, "saved": saved, "resumed": path,
                 "evaluated": evaluated, "signals": count}
     finally:
-        save_module._write_rank_file = original_writer
+        save_module.write_rank_file = original_writer
         STOP.uninstall()
         STOP.clear()
 
@@ -153,19 +154,19 @@ def adopted_group_writes_own_files(save_dir: str) -> dict[str, Any]:
     world_before = dist.group.WORLD
     STOP.clear()
     written: list[str] = []
-    original = save_module.save_file
+    original = write_module.save_file
 
     def recording(tensors, path, *args, **kwargs):
         written.append(Path(path).name)
         return original(tensors, path, *args, **kwargs)
 
-    save_module.save_file = recording
+    write_module.save_file = recording
     try:
         engine = _engine(2, "fp32", save_dir)
         train(engine, 0, 2)
         engine.save_checkpoint(save_dir)
     finally:
-        save_module.save_file = original
+        write_module.save_file = original
         STOP.uninstall()
     return {
         "same_group": dist.group.WORLD is world_before and engine.layout.world.handle in (None, world_before),
