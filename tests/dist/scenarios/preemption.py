@@ -26,6 +26,7 @@ from tests.dist.checkpoint.test_checkpoint_helpers import (
     snapshot,
     train,
 )
+from zeroshard.checkpoint import async_save as async_save_module
 from zeroshard.checkpoint import save as save_module
 from zeroshard.checkpoint import write as write_module
 from zeroshard.launch.signals import STOP
@@ -33,9 +34,9 @@ from zeroshard.launch.signals import STOP
 SIGNALLED = 1  # the rank that receives the signal (rank 0 for "two_signals")
 
 
-def _engine(stage: int, mode: str, save_dir: str | None, seed: int = 0, **preemption: Any):
+def _engine(stage: int, mode: str, save_dir: str | None, seed: int = 0, extra: dict | None = None, **preemption: Any):
     torch.manual_seed(seed)
-    config = make_config(stage, mode, dist.get_world_size())
+    config = {**make_config(stage, mode, dist.get_world_size()), **(extra or {})}
     config["preemption"] = {"enabled": True, "save_dir": save_dir, **preemption}
     engine, *_ = zeroshard.initialize(model=TinyLM(), config=config)
     return engine
@@ -70,6 +71,8 @@ def preempted_run(kind: str, stage: int, mode: str, save_dir: str, steps: int = 
 
     - "mid_step": rank 1, in its forward of step 3's first micro-batch (of two);
     - "mid_save": rank 1, while writing its file of a checkpoint the loop saves after step 2;
+    - "mid_async_save": the same with an asynchronous save (checkpoint.writer.decoupled): the
+      signal comes from the writer thread, and the preemption save waits for that save;
     - "mid_eval": rank 1, in an evaluation loop after step 2 that polls engine.should_stop()
       (then the loop saves and exits: engine.preemption.save_and_exit());
     - "mid_eval_no_poll": the same loop without polling: the next step boundary handles it;
@@ -79,9 +82,12 @@ def preempted_run(kind: str, stage: int, mode: str, save_dir: str, steps: int = 
     """
     rank = dist.get_rank()
     STOP.clear()
-    original_writer = save_module.write_rank_file
+    asynchronous = kind == "mid_async_save"
+    writer_module = async_save_module if asynchronous else save_module
+    original_writer = writer_module.write_rank_file
+    extra = {"checkpoint": {"writer": {"decoupled": True}}} if asynchronous else None
     try:
-        engine = _engine(stage, mode, save_dir)
+        engine = _engine(stage, mode, save_dir, extra=extra)
         code, evaluated, user_save = None, None, None
         try:
             if kind.startswith("before_first_step") and rank == SIGNALLED:
@@ -104,15 +110,16 @@ def preempted_run(kind: str, stage: int, mode: str, save_dir: str, steps: int = 
                 finally:
                     if handle is not None:
                         handle.remove()
-                if step == 1 and kind == "mid_save":
+                if step == 1 and kind in ("mid_save", "mid_async_save"):
                     if rank == SIGNALLED:
                         def writer(*args, **kwargs):
                             _kill_self(signal.SIGTERM)
                             return original_writer(*args, **kwargs)
 
-                        save_module.write_rank_file = writer
+                        writer_module.write_rank_file = writer
                     user_save = engine.save_checkpoint(Path(save_dir) / "user", tag="user2")
-                    save_module.write_rank_file = original_writer
+                    if not asynchronous:  # the asynchronous writer runs it later, in its thread
+                        writer_module.write_rank_file = original_writer
                 if step == 1 and kind.startswith("mid_eval"):
                     evaluated = _eval(engine, 3, poll=kind == "mid_eval")
                     if kind == "mid_eval" and engine.should_stop():
@@ -136,7 +143,7 @@ def preempted_run(kind: str, stage: int, mode: str, save_dir: str, steps: int = 
         return {"code": code, "stopped_at": stopped_at, "saved": saved, "resumed": path,
                 "evaluated": evaluated, "signals": count}
     finally:
-        save_module.write_rank_file = original_writer
+        writer_module.write_rank_file = original_writer
         STOP.uninstall()
         STOP.clear()
 
