@@ -1,6 +1,6 @@
 """The `zeroshard` command: explain (zeroshard.tools.explain), demo, to-fp32 (zeroshard.checkpoint),
-report (zeroshard.tools.report), launch (zeroshard.launch.torchrun), install-deepspeed-alias
-(zeroshard.tools.deepspeed_alias).
+from-deepspeed / to-deepspeed (zeroshard.checkpoint.deepspeed), report (zeroshard.tools.report),
+launch (zeroshard.launch.torchrun), install-deepspeed-alias (zeroshard.tools.deepspeed_alias).
 
 `zeroshard explain CONFIG` prints what a config resolves to: the precision of every tensor role
 per parameter group, the defaults it applied, the keys accepted with no effect, and the per-rank
@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from zeroshard.checkpoint.deepspeed.commands import add_commands as add_deepspeed_commands
 from zeroshard.tools.explain import ConfigError, UsageError, explain_data, preset_names, print_tables
 
 EXIT_OK = 0
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_fp32.add_argument("output", metavar="OUT", help="output file (.safetensors; another suffix: torch.save)")
     to_fp32.add_argument("--tag", help="which checkpoint (default: the one 'latest' names)")
     to_fp32.set_defaults(handler=_run_to_fp32)
+    add_deepspeed_commands(sub)
     report = sub.add_parser(
         "report",
         help="draw PNG plots of a run from its CSV monitor files",

@@ -77,14 +77,16 @@ def write_fp32(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: st
     return out_path
 
 
-def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.safetensors") -> str:
-    """The module's weights in their parameter dtype, consolidated; rank 0 writes. Collective.
+def consolidated_16bit_state_dict(
+    engine: Any, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor] | None:
+    """The module's full state dict in the parameter dtype, on the host: a dict on rank 0,
+    None on the other ranks. Collective.
 
     At stage 3 each unit is gathered in turn (and freed again), so no rank ever holds more
     than one unit's full parameters beyond what training already holds.
-
-    Returns:
-        The written file's path (on every rank).
+    `exclude_frozen_parameters` leaves out parameters with `requires_grad=False` (DeepSpeed's
+    option, for adapters trained on a frozen base).
     """
     rank0 = engine.global_rank == 0
     # Experts (of MoE layers and AutoEP stacks) differ across expert-parallel ranks: each is
@@ -105,23 +107,57 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
 
     aliases, frozen_names, _ = module_names(engine)
     frozen = frozen_state(engine, frozen_names, keep=rank0)
-    path = Path(save_dir) / save_filename
+    state: dict[str, torch.Tensor] | None = None
     error: BaseException | None = None
     if rank0:
         try:
-            tensors = dict(engine.module.named_parameters(remove_duplicate=False))
-            tensors.update(engine.module.named_buffers(remove_duplicate=False))
-            state = {}
-            for key in state_dict_keys(engine.module):  # experts by global name
-                if key in managed:
-                    state[key] = managed[key]
-                elif key in aliases:
-                    state[key] = managed[aliases[key]].clone()
-                elif key in frozen:
-                    state[key] = frozen[key]
-                else:
-                    state[key] = tensors[key].detach().to("cpu", copy=True)
-            _write_state_dict(to_hf_state_dict(state, hf_layouts(engine.module)), path, {"format": "pt"})
+            state = _assemble(engine, managed, aliases, frozen, exclude_frozen_parameters)
+        except Exception as exc:
+            error = exc
+    agree(error, "consolidated_16bit_state_dict")
+    return state
+
+
+def _assemble(
+    engine: Any, managed: dict[str, torch.Tensor], aliases: dict[str, str], frozen: dict[str, torch.Tensor],
+    exclude_frozen_parameters: bool,
+) -> dict[str, torch.Tensor]:
+    """Rank 0's state dict in `model.state_dict()` order from the gathered pieces."""
+    tensors = dict(engine.module.named_parameters(remove_duplicate=False))
+    excluded = {k for k, p in tensors.items() if exclude_frozen_parameters and not p.requires_grad}
+    tensors.update(engine.module.named_buffers(remove_duplicate=False))
+    state = {}
+    for key in state_dict_keys(engine.module):  # experts by global name
+        if key in excluded:
+            continue
+        if key in managed:
+            state[key] = managed[key]
+        elif key in aliases:
+            state[key] = managed[aliases[key]].clone()
+        elif key in frozen:
+            state[key] = frozen[key]
+        else:
+            state[key] = tensors[key].detach().to("cpu", copy=True)
+    return to_hf_state_dict(state, hf_layouts(engine.module))
+
+
+def save_16bit_model(
+    engine: Any,
+    save_dir: str | os.PathLike,
+    save_filename: str = "pytorch_model.safetensors",
+    exclude_frozen_parameters: bool = False,
+) -> str:
+    """`consolidated_16bit_state_dict` written by rank 0 to save_dir/save_filename. Collective.
+
+    Returns:
+        The written file's path (on every rank).
+    """
+    path = Path(save_dir) / save_filename
+    state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
+    error: BaseException | None = None
+    if state is not None:
+        try:
+            _write_state_dict(state, path, {"format": "pt"})
         except Exception as exc:
             error = exc
     agree(error, f"save_16bit_model({path})")

@@ -16,6 +16,7 @@ Two phases, so that nothing is half-loaded:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.async_save import wait_for_checkpoint
+from zeroshard.checkpoint.deepspeed.convert import converted, deepspeed_tag_dir, universal_latest
 from zeroshard.checkpoint.fields import (
     KERNEL_KEYS,
     check_param_groups,
@@ -460,14 +462,25 @@ def load_checkpoint(
     options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only, allow_pickle)
     loaded: _Loaded | None = None
     error: BaseException | None = None
+    if tag is None:  # DeepSpeed's ds_to_universal names its output in `latest_universal`
+        section = getattr(engine.config, "checkpoint", None)
+        prefer = section.get("load_universal") if isinstance(section, dict) else getattr(section, "load_universal", 0)
+        tag = universal_latest(load_dir, prefer=bool(prefer))
     tag = agree_on_tag(load_dir, tag)
     try:
         if tag is not None:
-            tag_dir = find_tag_dir(load_dir, tag)
-            try:
-                loaded = read_for_engine(engine, tag_dir, options)
-            except (KeyError, TypeError, IndexError) as exc:
-                raise CheckpointError(f"{tag_dir / 'index.json'}: malformed ({exc!r}); the index is corrupt.") from exc
+            # A DeepSpeed checkpoint is converted (per rank, in a temporary directory) and read as ours.
+            ds_dir = deepspeed_tag_dir(load_dir, tag)
+            with converted(ds_dir, allow_pickle) if ds_dir is not None else contextlib.nullcontext() as tmp_dir:
+                tag_dir = tmp_dir or find_tag_dir(load_dir, tag)
+                try:
+                    loaded = read_for_engine(engine, tag_dir, options)
+                except (KeyError, TypeError, IndexError) as exc:
+                    raise CheckpointError(
+                        f"{tag_dir / 'index.json'}: malformed ({exc!r}); the index is corrupt."
+                    ) from exc
+                if ds_dir is not None:
+                    loaded.tag_dir = ds_dir
     except Exception as exc:
         error = exc
     agree(error, f"load_checkpoint({load_dir}, tag={tag!r})")

@@ -40,18 +40,24 @@ _AUTO_IS_A_VALUE = frozenset(
 )
 
 
+_AUTO_FIX = (
+    '"auto" is a placeholder that the Hugging Face Trainer and Accelerate fill in before they call initialize; '
+    "zeroshard does not. Pass this config to the Trainer (TrainingArguments(deepspeed=...)) or `accelerate launch` "
+    "(with the `deepspeed` alias: `zeroshard install-deepspeed-alias`), or write a concrete value."
+)
+
+
 def _find_autos(value: Any, path: str, report: _Report) -> bool:
     """Report every "auto" inside ``value``; True if any was found."""
     found = False
     if _is_auto(value) and path in _AUTO_IS_A_VALUE:
         return False
     if _is_auto(value):
-        report.problems.append(
-            f'{path}="auto": "auto" is a placeholder that the Hugging Face Trainer and Accelerate fill in '
-            "before they call initialize; zeroshard does not. Pass this config to the Trainer "
-            "(TrainingArguments(deepspeed=...)) or `accelerate launch` (with the `deepspeed` alias: "
-            "`zeroshard install-deepspeed-alias`), or write a concrete value."
-        )
+        # The whole explanation once; a Trainer config holds a dozen "auto"s.
+        if any(problem.endswith(_AUTO_FIX) for problem in report.problems):
+            report.problems.append(f'{path}="auto": the same placeholder (see the first "auto" above).')
+        else:
+            report.problems.append(f'{path}="auto": {_AUTO_FIX}')
         return True
     if isinstance(value, dict):
         for k, v in value.items():

@@ -42,6 +42,16 @@ def data_parallel_size(
     return dp
 
 
+# Accelerate (and so the Trainer) counts one process on a machine without GPUs unless told it is
+# a CPU run, while torchrun's processes form a group of several: it then writes train_batch_size
+# for a world of one. Real DeepSpeed refuses the same config (docs/hf-trainer.md).
+_ONE_PROCESS_HINT = (
+    " train_batch_size is the value for 1 process: if the Hugging Face Trainer or Accelerate filled it in "
+    "on a machine without GPUs, pass use_cpu=True (--use_cpu, or ACCELERATE_USE_CPU=1) so that they count "
+    "every process."
+)
+
+
 def resolve_batch_triangle(cfg: ZeroshardConfig, world_size: int) -> list[str]:
     """Apply DeepSpeed's rule: any two of the three batch keys give the third.
 
@@ -56,6 +66,7 @@ def resolve_batch_triangle(cfg: ZeroshardConfig, world_size: int) -> list[str]:
                 f"train_batch_size={train} != train_micro_batch_size_per_gpu ({micro}) * "
                 f"gradient_accumulation_steps ({accum}) * world_size ({world_size}) = "
                 f"{micro * accum * world_size}. Fix one of them, or drop one key and it will be derived."
+                + (_ONE_PROCESS_HINT if world_size > 1 and train == micro * accum else "")
             ]
     elif train is not None and micro is not None:
         if train % (micro * world_size):

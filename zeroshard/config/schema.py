@@ -274,6 +274,11 @@ class ZeroshardConfig(_Section):
         """The world size the batch triangle was resolved for."""
         return self._world_size
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """`raw.get(key, default)`: DeepSpeed's `engine.config` is the dict the user passed, and
+        the Hugging Face Trainer reads it so (`engine.config.get("zero_optimization", {})`)."""
+        return self._raw.get(key, default)
+
 
 def _resolved(value: Any, name: str) -> Any:
     if value is None:

@@ -470,16 +470,14 @@ class CheckpointConfig(_Section):
     """
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    # DeepSpeed's switch to load ds_to_universal output: load_checkpoint with no tag then reads the
+    # tag `latest_universal` names (universal checkpoints are recognised by their layout either way).
+    load_universal: bool = False
     use_node_local_storage: bool = False
     parallel_write: dict[str, Any] | None = None
     writer: CheckpointWriterConfig | None = None
 
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset({"use_node_local_storage", "parallel_write"})
-    NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
-        "load_universal": _Unsupported(
-            _equals(False), "zeroshard checkpoints load on any world size already; remove it."
-        ),
-    }
 
     @field_validator("tag_validation", mode="before")
     @classmethod

@@ -24,6 +24,8 @@ from zeroshard.checkpoint.preempt import Preemption
 from zeroshard.comm import faults
 from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
+from zeroshard.engine.hf_compat import HFCompat
+from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.monitor.attach import build_monitoring
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zeroshard")
 
 
-class Engine(EngineAPI):
+class Engine(HFCompat, EngineAPI):
     """A model wrapped for ZeRO data-parallel training (DeepSpeed's engine surface)."""
 
     def __init__(
@@ -125,6 +127,7 @@ class Engine(EngineAPI):
             self.module, config, self.device, self.global_rank, self.optimizer, fp16=plan.mode == "fp16"
         )
         self.timers = self.figures.timers
+        attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)
         # Signal handlers, the stop vote in the step's all-reduce, resume (checkpoint/preempt.py).
         self.preemption = Preemption(self)
 
@@ -306,11 +309,17 @@ class Engine(EngineAPI):
         checkpoint.wait_for_checkpoint("engine.wait_for_checkpoint()")
 
     def load_checkpoint(
-        self, load_dir, tag=None, load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True, load_module_only: bool = False, allow_pickle: bool = False,
+        self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None,
+        allow_pickle: bool = False,
     ):
-        """Load a checkpoint saved on any world size and stage; returns (path, client_state)."""
+        """Load a checkpoint saved on any world size and stage; returns (path, client_state).
+        DeepSpeed's signature; module keys always match strictly (a mismatch is an error that
+        lists them, whatever `load_module_strict`), and `custom_load_fn` is refused."""
         from zeroshard import checkpoint
+
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint(custom_load_fn=...): not supported by zeroshard. Load without it.")
 
         return checkpoint.load_checkpoint(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states,
@@ -333,11 +342,13 @@ class Engine(EngineAPI):
         rank at the same point of the loop (checkpoint/preempt.py)."""
         return self.preemption.should_stop()
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors"):
+    def save_16bit_model(
+        self, save_dir, save_filename: str = "pytorch_model.safetensors", exclude_frozen_parameters: bool = False
+    ):
         """The consolidated module weights in the parameter dtype, for inference (rank 0 writes)."""
         from zeroshard import checkpoint
 
-        return checkpoint.save_16bit_model(self, save_dir, save_filename)
+        return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     # -------------------------------------------------------------- accessors
     def metrics(self) -> dict[str, Any]:

@@ -63,7 +63,10 @@ class _BackwardEntry(torch.autograd.Function):
     @staticmethod
     def forward(ctx, on_grad: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor):
         ctx.on_grad = on_grad
-        return tensor.view_as(tensor)
+        # detach(), not view_as(): autograd forbids in-place ops on a view made inside a custom
+        # Function, and the Trainer scales its loss in place (`loss *= ...`). detach() shares the
+        # storage and the version counter, so an in-place op behaves as on the module's own output.
+        return tensor.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -36,6 +36,7 @@ from zeroshard.precision.plan import RolePlan
 from zeroshard.sharding.gather import Gathering, GatherPiece, all_gather_shards
 from zeroshard.sharding.layout import ShardingSpec, current_layout
 from zeroshard.sharding.offload import host_copy
+from zeroshard.sharding.param_status import ZeroParamStatus
 from zeroshard.sharding.ranges import overlap
 from zeroshard.sharding.stages import StagePolicy
 from zeroshard.sharding.streams import COMPUTE, GATHER, NULL_STREAMS, StreamSet
@@ -140,6 +141,7 @@ class FlatParamGroup:
             for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=False):
                 p.data = self.full.narrow(0, off, n).view(shape)
                 p.ds_shape, p.ds_numel = shape, n  # the full shape, also while freed (DeepSpeed's names)
+                p.ds_status = ZeroParamStatus.AVAILABLE  # DeepSpeed's name too; TRL reads it
 
     def _detach_views(self) -> None:
         """[Note: a freed parameter is visibly empty]
@@ -154,6 +156,7 @@ class FlatParamGroup:
         with torch._C.DisableTorchFunction():  # see _attach_views
             for p in self.params:
                 p.data = empty
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
     # ----------------------------------------------------------------- master
     @property

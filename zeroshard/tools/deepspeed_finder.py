@@ -25,9 +25,7 @@ ALIAS = "deepspeed"
 TARGET = "zeroshard"
 # What to do instead, for DeepSpeed paths that integrations import and zeroshard leaves out.
 _INSTEAD = {
-    "deepspeed.ops.adagrad": "zeroshard's host optimizer is DeepSpeedCPUAdam (Adam/AdamW): train with AdamW, "
-    "or keep Adagrad without offload_optimizer.",
-    "deepspeed.ops.lion": "zeroshard's host optimizer is DeepSpeedCPUAdam (Adam/AdamW): train with AdamW, "
+    "deepspeed.ops.lion": "zeroshard's host optimizers are DeepSpeedCPUAdam and DeepSpeedCPUAdagrad: train with AdamW, "
     "or keep Lion without offload_optimizer.",
 }
 

@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten
 from zeroshard.comm import collectives as comm
 from zeroshard.sharding.layout import current_layout
 from zeroshard.zero import partition as parts
+from zeroshard.zero.init_config import without_placeholders
 from zeroshard.zero.partition import PartitionSpec
 
 __all__ = ["Init"]
@@ -213,7 +214,11 @@ class Init:
             from zeroshard.launch.distributed import init_distributed
 
             init_distributed()  # as DeepSpeed's Init does (a no-op without a launcher's environment)
-        self.config = resolve_config(raw, world_size=comm.world_size()) if (enabled and raw is not None) else None
+        # Without "auto" values: zeroshard/zero/init_config.py (Init runs before the HF integration fills them).
+        self.config = (
+            resolve_config(without_placeholders(raw), world_size=comm.world_size())
+            if (enabled and raw is not None) else None
+        )
         self.stage = self.config.zero_optimization.stage if self.config is not None else None
         self.active = enabled and self.stage in (None, 3)
         self._spec: PartitionSpec | None = None

@@ -61,6 +61,7 @@ IMPORTS = [
     # Not imported by the three packages but named by issue 24 as paths users' scripts take.
     ("deepspeed.utils.zero_to_fp32", [], "issue 24 (DeepSpeed's consolidation script's module)"),
     ("deepspeed.sequence.layer", ["DistributedAttention"], "issue 24 (Ulysses attention)"),
+    ("deepspeed.ops.adagrad", ["DeepSpeedCPUAdagrad"], "accelerate/utils/deepspeed.py:79"),
 ]
 
 # Dotted names read as attributes after a bare `import deepspeed` (no import of the submodule):
@@ -79,7 +80,6 @@ ATTRIBUTE_READS = [
 # (path, where found, why zeroshard refuses it): the import raises ModuleNotFoundError naming
 # the path and what to do instead.
 REFUSED = [
-    ("deepspeed.ops.adagrad", "accelerate/utils/deepspeed.py:79", "no host Adagrad: offload trains Adam/AdamW"),
     ("deepspeed.ops.lion", "accelerate/utils/deepspeed.py:93", "no host Lion: offload trains Adam/AdamW"),
 ]
 

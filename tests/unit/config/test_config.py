@@ -203,6 +203,14 @@ def test_auto_must_be_resolved_before_initialize(raw, path):
     ]
 
 
+def test_many_autos_explain_once():
+    with pytest.raises(ConfigError) as info:
+        resolve_config({"train_batch_size": "auto", "gradient_clipping": "auto"})
+    first, second = info.value.problems
+    assert first.startswith('train_batch_size="auto": "auto" is a placeholder that the Hugging Face Trainer')
+    assert second == 'gradient_clipping="auto": the same placeholder (see the first "auto" above).'
+
+
 # ---------------------------------------------------------------------------------------------
 # Recognised but not supported / accepted with no effect
 # ---------------------------------------------------------------------------------------------

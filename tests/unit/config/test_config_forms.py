@@ -125,10 +125,9 @@ def test_checkpoint_tag_validation_default_and_errors():
         resolve_config({"checkpoint": {"tag_validation": "Sometimes"}})
     with pytest.raises(ConfigError, match=r"^checkpoint\.tag_validaton: unknown key\. Did you mean 'tag_validation'"):
         resolve_config({"checkpoint": {"tag_validaton": "Warn"}})
-    with pytest.raises(ConfigError, match=r"^checkpoint\.load_universal=true: recognised DeepSpeed key, not supported"):
-        resolve_config({"checkpoint": {"load_universal": True}})
+    assert resolve_config({"checkpoint": {"load_universal": True}}).checkpoint.load_universal is True
     cfg = resolve_config({"checkpoint": {"use_node_local_storage": False, "load_universal": False}})
-    assert cfg.no_effect_keys == ["checkpoint.use_node_local_storage", "checkpoint.load_universal"]
+    assert cfg.no_effect_keys == ["checkpoint.use_node_local_storage"]
 
 
 def test_resolved_config_is_frozen():

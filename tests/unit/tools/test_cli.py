@@ -25,7 +25,11 @@ def write(tmp_path, raw, name="ds.json"):
     return path
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.name)
+def _holds_auto(path: Path) -> bool:
+    return '"auto"' in path.read_text()
+
+
+@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.glob("*.json") if not _holds_auto(p)), ids=lambda p: p.name)
 def test_every_example_config_explains(capsys, path):
     data = run_json(capsys, path, "--world-size", 8)
     assert data["world_size"] == 8
@@ -164,3 +168,13 @@ def test_python_dash_m_entry_point(tmp_path):
     assert result.returncode == 2
     assert "bf16.enabled and fp16.enabled are both true: pick one precision." in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.glob("*.json") if _holds_auto(p)), ids=lambda p: p.name)
+def test_trainer_configs_with_auto_are_explained_as_placeholders(capsys, path):
+    """A config written for the Hugging Face Trainer ("auto" values it fills in) is refused by
+    explain with the reason and the way to run it, once (docs/hf-trainer.md)."""
+    assert main(["explain", str(path), "--world-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count('"auto" is a placeholder that the Hugging Face Trainer') == 1, err
+    assert "zeroshard install-deepspeed-alias" in err
