@@ -44,6 +44,7 @@ from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
 from zeroshard.config.integration_values import StepsPerPrint, dotted_top_level_key
 from zeroshard.config.monitor import COMET_REFUSAL, CsvMonitorConfig, TensorBoardConfig, WandbConfig
+from zeroshard.config.preemption import PreemptionConfig
 from zeroshard.config.sections import (
     DEFAULT_LOWER_PRECISION_SAFE_MODULES,
     BF16Config,
@@ -166,6 +167,8 @@ class ZeroshardConfig(_Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    # Save together and exit on a scheduler's signal; resume (zeroshard/config/preemption.py).
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     aio: dict[str, Any] | None = None
     timers: dict[str, Any] | None = None
     seq_parallel_communication_data_type: str | None = None
@@ -187,7 +190,7 @@ class ZeroshardConfig(_Section):
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
         {"optimizer", "scheduler", "seed", "train_batch_size", "train_micro_batch_size_per_gpu",
          "gradient_accumulation_steps", "sequence_parallel_size", "data_parallel_size",
-         "tensorboard", "wandb", "csv_monitor"}
+         "tensorboard", "wandb", "csv_monitor", "preemption"}
     )
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
         "amp": _Unsupported(_disabled_section, "Use 'bf16', 'fp16' or 'torch_autocast'."),

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from zeroshard.checkpoint.preempt import Preemption
 from zeroshard.comm import faults
 from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
@@ -130,6 +131,8 @@ class Engine(HFCompat, EngineAPI):
         )
         self.timers = self.figures.timers
         attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)
+        # Signal handlers, the stop vote in the step's all-reduce, resume (checkpoint/preempt.py).
+        self.preemption = Preemption(self)
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
@@ -224,6 +227,7 @@ class Engine(HFCompat, EngineAPI):
                 # The interval's timers, FLOPs, collectives and MoE figures go to the monitors
                 # with DeepSpeed's names (Train/Samples/elapsed_time_ms_*, ...).
                 self.monitor.write_events(self.figures.monitor_events(self.global_samples))
+            self.preemption.after_step()  # the ranks agreed to stop: save together and exit
 
     def _step_once(self) -> None:
         state = self.accumulation
@@ -325,6 +329,21 @@ class Engine(HFCompat, EngineAPI):
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             allow_pickle=allow_pickle,
         )
+
+    def resume_latest(self, load_dir=None, **load_options):
+        """Load the newest complete checkpoint in load_dir (default: preemption.save_dir) at this
+        world size and stage; (None, None) if there is none. Collective (checkpoint/resume.py)."""
+        from zeroshard.checkpoint.resume import resume_latest
+
+        load_dir = load_dir if load_dir is not None else self.config.preemption.save_dir
+        if load_dir is None:
+            raise ValueError("resume_latest(): pass the directory, or set preemption.save_dir in the config.")
+        return resume_latest(self, load_dir, **load_options)
+
+    def should_stop(self) -> bool:
+        """Whether a rank was asked to stop (a scheduler's signal); collective: call it on every
+        rank at the same point of the loop (checkpoint/preempt.py)."""
+        return self.preemption.should_stop()
 
     def save_16bit_model(
         self, save_dir, save_filename: str = "pytorch_model.safetensors", exclude_frozen_parameters: bool = False

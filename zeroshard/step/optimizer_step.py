@@ -101,6 +101,10 @@ class OptimizerStep:
         self.host_grads = HostGradients(is_final) if self.placement == "host" else None
         self.optimizer: Any = None
         self.lr_scheduler: Any = None
+        # Preemption (zeroshard/checkpoint/preempt.py): this rank's vote to stop rides in the
+        # norm's all-reduce; `stop_agreed` is the world's answer, the same on every rank.
+        self.stop_vote: Callable[[], bool] = lambda: False
+        self.stop_agreed = False
 
     def run(self, local_grad_sum: torch.Tensor | None = None, position: tuple[int, int] = (0, 0)) -> StepResult:
         """One step on the reduced gradients; skipped (parameters, optimizer state and
@@ -175,6 +179,8 @@ class OptimizerStep:
         hold it) without a second collective. Two more slots per rank carry its position (step
         counter, training forwards since the last step), checked by
         `faults.check_positions`: a rank that skipped part of a step is found within the step.
+        The last slot counts the ranks asked to stop by a signal (preemption): every rank
+        leaves the step knowing whether any rank was, at no extra collective.
 
         Every stage sums the same per-shard partial sums in the same order, so the norm
         (and hence clipping) is bitwise identical across stages. A flat replicated over R
@@ -193,7 +199,7 @@ class OptimizerStep:
         world = self.layout.world
         size = world.size
         # On the device even when the partials are on the host (offload): the wire's device.
-        packed = torch.zeros(1 + 3 * size, dtype=torch.float32, device=self.device)
+        packed = torch.zeros(2 + 3 * size, dtype=torch.float32, device=self.device)
         packed[0] = total.to(device=self.device, dtype=torch.float32)
         if local_grad_sum is not None:
             packed[1 + world.rank] = (~torch.isfinite(local_grad_sum.to(packed.device))).float()
@@ -203,6 +209,8 @@ class OptimizerStep:
         # which waits for the device.
         packed[1 + size + world.rank].fill_(position[0] % _EXACT)
         packed[1 + 2 * size + world.rank].fill_(position[1] % _EXACT)
+        if self.stop_vote():  # the last slot: how many ranks were asked to stop (preempt.py)
+            packed[1 + 3 * size].fill_(1.0)
         comm.all_reduce(packed, group=world, tag="norm")
         # The step's one host read (see run's note; docs/gpu-streams.md). The GPU check's
         # host-sync row allows exactly this one per step (benchmarks/gpu_check/syncs.py).
@@ -210,7 +218,8 @@ class OptimizerStep:
         norm = packed[0].sqrt()  # the float32 square root, as the norm always was
         finite = math.isfinite(values[0])
         values = values[1:]
-        faults.check_positions(world.ranks, values[size : 2 * size], values[2 * size :])
+        self.stop_agreed = self.stop_agreed or values[3 * size] > 0
+        faults.check_positions(world.ranks, values[size : 2 * size], values[2 * size : 3 * size])
         flags = values[:size]
         return norm, finite, tuple(world.ranks[i] for i, flag in enumerate(flags) if flag != 0)
 

@@ -342,3 +342,25 @@ def test_bad_files(tmp_path):
     arr.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"must hold a JSON object"):
         resolve_config(arr)
+
+
+def test_preemption_section_defaults_names_and_refusals():
+    from zeroshard.config.resolve import resolve_config
+
+    base = {"train_micro_batch_size_per_gpu": 1}
+    section = resolve_config(base, world_size=1).preemption
+    assert (section.enabled, section.signals, section.exit_code, section.resume) == (
+        False, ["SIGTERM", "SIGUSR1", "SIGUSR2"], 143, False)
+    ok = resolve_config({**base, "preemption": {"enabled": True, "signals": ["usr1", "SIGHUP"], "save_dir": "c"}},
+                        world_size=1)
+    assert ok.preemption.signals == ["usr1", "SIGHUP"]
+    with pytest.raises(ConfigError) as error:
+        resolve_config({**base, "preemption": {"signals": ["SIGKILL", "SIGNOPE"], "resume": True, "exit_code": 300,
+                                               "tag": "../elsewhere"}}, world_size=1)
+    text = str(error.value)
+    for expected in ("preemption.signals.0=\"SIGKILL\": SIGKILL cannot be handled",
+                     "preemption.signals.1=\"SIGNOPE\": no signal called",
+                     "preemption.resume=true: resume from where? Set preemption.save_dir",
+                     "preemption.exit_code=300",
+                     'preemption.tag="../elsewhere": must be a plain directory name'):
+        assert expected in text, text

@@ -70,8 +70,8 @@ def _reads_in_step(monkeypatch, engine) -> list[tuple[str, tuple]]:
 )
 def test_one_device_read_inside_a_step(monkeypatch, stage: int, precision: dict) -> None:
     engine = _engine(stage, precision)
-    # One process: the packed vector is [norm^2, 1 flag, 1 step counter, 1 forward count].
-    assert _reads_in_step(monkeypatch, engine) == [("tolist", (4,))]
+    # One process: the packed vector is [norm^2, 1 flag, 1 step counter, 1 forward count, stop vote].
+    assert _reads_in_step(monkeypatch, engine) == [("tolist", (5,))]
     norm = engine.get_global_grad_norm()  # read lazily, when asked
     assert norm is not None and norm > 0.01
     assert engine.get_post_clip_grad_norm() == pytest.approx(0.01, rel=1e-5)
@@ -81,4 +81,4 @@ def test_one_device_read_inside_a_step(monkeypatch, stage: int, precision: dict)
 def test_overflow_checking_reads_nothing_more(monkeypatch, stage: int) -> None:
     """bf16 checks overflow by default: the skip decision comes from the same one read."""
     engine = _engine(stage, {"bf16": {"enabled": True}})
-    assert _reads_in_step(monkeypatch, engine) == [("tolist", (4,))]
+    assert _reads_in_step(monkeypatch, engine) == [("tolist", (5,))]
