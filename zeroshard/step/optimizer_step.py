@@ -126,6 +126,9 @@ class OptimizerStep:
         which ranks produced a non-finite gradient and whether every rank is at the same step;
         skipping the optimizer, the scheduler and the loss-scale update are host decisions.
         """
+        # The scale the backward used: the update comes after the step. DeepSpeed updates first
+        # and so halves the gradient on a step that doubles the scale (the migration guide's
+        # "fp16: unscaled by the scale the backward used").
         scale = self.loss_scaler.scale
         grads = []
         for flat in self.flats:

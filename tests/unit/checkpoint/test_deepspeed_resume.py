@@ -55,13 +55,16 @@ def assert_same(got: dict, want: dict, rtol: float = 0.0, atol: float = 0.0) -> 
             torch.testing.assert_close(got[kind][name], value, rtol=rtol, atol=atol, msg=f"{kind} of {name}")
 
 
-def train(engine, precision: str, world: int, rank: int = 0) -> list[float]:
+def train(engine, precision: str, world: int, rank: int = 0,
+          halve_loss_at: frozenset[int] = frozenset()) -> list[float]:
+    """M_STEPS steps; the loss is halved on the steps in `halve_loss_at` (how zeroshard reproduces
+    DeepSpeed's fp16 step on which the loss scale grows, tests/unit/precision/test_fp16_vs_deepspeed.py)."""
     M = fixture_model()
     losses = []
     for step in range(M.K_STEPS, M.K_STEPS + M.M_STEPS):
         x, y = M.batch(step, rank, world, DTYPES[precision])
         loss = engine(x, y)
-        engine.backward(loss)
+        engine.backward(loss * 0.5 if step in halve_loss_at else loss)
         engine.step()
         losses.append(float(loss.detach()))
     return losses
