@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.unit.checkpoint.deepspeed_fixtures import FIXTURES, ckpt, expected, zero_to_fp32
 from tests.unit.checkpoint.test_deepspeed_resume import engine_for, train
+from zeroshard.checkpoint.base import CheckpointError
 from zeroshard.checkpoint.deepspeed.convert import from_deepspeed, to_deepspeed
 from zeroshard.checkpoint.deepspeed.read_ds import read_deepspeed
 from zeroshard.checkpoint.deepspeed.unpickle import load_pt
@@ -117,3 +119,27 @@ def test_zero_to_fp32_of_the_muon_checkpoint() -> None:
     assert list(got) == list(want)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_two_rank_layout_reads_back(tmp_path) -> None:
+    """to-deepspeed at world 2 (not run against DeepSpeed: its own safe_get_full_optimizer_state
+    cannot read a momentum_buffer there, see the migration guide): each rank holds the whole
+    momentum of every matrix its partition touches, and reading the files gives DeepSpeed's state."""
+    from_deepspeed(ckpt(CASE), tmp_path / "zs")
+    back = to_deepspeed(tmp_path / "zs", tmp_path / "ds", stage=1, world_size=2)
+    # 1,600 matrix elements in mid (1,024), inp (384), out (192): rank 0 has [0, 800) = mid,
+    # rank 1 [800, 1600) = the rest of mid, inp and out.
+    sizes = [load_pt(back / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+             ["base_optimizer_state"]["state"][0]["momentum_buffer"].numel() for r in (0, 1)]
+    assert sizes == [1024, 1600]
+    state = read_deepspeed(back)
+    assert (state.stage, state.world_size) == (1, 2)
+    _assert_same(_portable_snapshot(state), expected(CASE)["at_save"])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_muon_outside_stages_1_2_is_refused(tmp_path, stage: int) -> None:
+    from_deepspeed(ckpt(CASE), tmp_path / "zs")
+    with pytest.raises(CheckpointError, match=f"Muon state at stage {stage}.*--stage 1 or 2"):
+        to_deepspeed(tmp_path / "zs", tmp_path / "ds", stage=stage)
+    assert not (tmp_path / "ds").exists()

@@ -4,7 +4,7 @@ The files are the ones DeepSpeed itself writes for the state's stage, precision 
 ([Note: DeepSpeed's checkpoint layouts] in read_ds.py), with the keys it writes. Limits, because
 the layout here must equal the one the loading DeepSpeed engine builds: one ZeRO-3 sub-group per
 param group (DeepSpeed's default `sub_group_size` of 1e9 elements), no tensor/pipeline
-parallelism, Adam/AdamW state (Muon's at stages 0-2), and (fp16 at stage 0) DeepSpeed's unfused
+parallelism, Adam/AdamW state (Muon's at stages 1-2), and (fp16 at stage 0) DeepSpeed's unfused
 wrapper.
 """
 
@@ -219,9 +219,10 @@ def write_deepspeed(state: PortableState, save_dir: str | os.PathLike, tag: str)
     muon = state.optimizer_class in (MUON_CLASS, "ShardedMuon")
     if state.optimizer_class not in ("Adam", "AdamW") and not muon:
         raise CheckpointError(f"optimizer {state.optimizer_class}: to-deepspeed writes Adam/AdamW and Muon state only.")
-    if muon and state.stage == 3:
-        raise CheckpointError("a Muon state at stage 3: to-deepspeed writes Muon state at stages 0-2 (DeepSpeed "
-                              "0.19's ZeRO-1/2 layout); pass --stage 1 or 2.")
+    if muon and state.stage not in (1, 2):
+        raise CheckpointError(f"a Muon state at stage {state.stage}: to-deepspeed writes Muon state at stages 1-2 "
+                              "(DeepSpeed 0.19's ZeRO-1/2 layout, the one checked against DeepSpeed); pass --stage "
+                              "1 or 2.")
     if state.stage not in (0, 1, 2, 3) or state.world_size < 1:
         raise CheckpointError(f"stage {state.stage}, world size {state.world_size}: DeepSpeed has stages 0-3 "
                               "and a world size of at least 1.")
