@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from zeroshard.checkpoint.deepspeed.convert import deepspeed_tag_dir
+from zeroshard.checkpoint.deepspeed.fp32 import deepspeed_fp32_state_dict
 from zeroshard.checkpoint.files import write_via_private_dir
 from zeroshard.checkpoint.format import CheckpointReader, resolve_checkpoint_dir
 from zeroshard.checkpoint.frozen import frozen_state, moe_expert_places, whole_by_saved_name
@@ -69,9 +71,14 @@ def _write_state_dict(state: dict[str, torch.Tensor], path: Path, metadata: dict
 
 
 def write_fp32(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: str | None = None) -> Path:
-    """`consolidate_fp32` written to `out_path` (safetensors, or torch.save for other suffixes)."""
-    tag_dir = resolve_checkpoint_dir(ckpt_dir, tag)  # once: `latest` may change meanwhile
-    state = consolidate_fp32(tag_dir)
+    """`consolidate_fp32` written to `out_path` (safetensors, or torch.save for other suffixes);
+    a DeepSpeed checkpoint directory is read as DeepSpeed's zero_to_fp32 reads it."""
+    tag_dir = deepspeed_tag_dir(ckpt_dir, tag)
+    if tag_dir is not None:
+        state = deepspeed_fp32_state_dict(tag_dir)
+    else:
+        tag_dir = resolve_checkpoint_dir(ckpt_dir, tag)  # once: `latest` may change meanwhile
+        state = consolidate_fp32(tag_dir)
     out_path = Path(out_path)
     _write_state_dict(state, out_path, {"format": "pt", "source": str(tag_dir)})
     return out_path

@@ -209,8 +209,9 @@ def _flat_optimizer_state(engine: Any, flat: Any, names: list[str], reader: Chec
 
 
 # Optimizer classes that keep the same state under the same names (AdamW's moments kept in
-# another dtype by StateDtypeAdamW): a checkpoint of one loads into the other.
-_OPTIMIZER_FAMILIES = {"StateDtypeAdamW": "AdamW"}
+# another dtype by StateDtypeAdamW; DeepSpeed's Muon state converted by from-deepspeed): a
+# checkpoint of one loads into the other.
+_OPTIMIZER_FAMILIES = {"StateDtypeAdamW": "AdamW", "ShardedMuon": "Muon"}
 
 
 def optimizer_class(optimizer: Any) -> str:

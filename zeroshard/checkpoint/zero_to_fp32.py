@@ -2,7 +2,8 @@
 state dict of a sharded checkpoint, in memory, written to a folder, or loaded into a model.
 
 They read what `engine.save_checkpoint` wrote (any world size and stage), without a process
-group, through `consolidate_fp32` (export.py). Differences from DeepSpeed's: `lazy_mode=True`
+group, through `consolidate_fp32` (export.py), and checkpoints DeepSpeed 0.19 wrote (stages 0-3,
+universal) through checkpoint/deepspeed/fp32.py. Differences from DeepSpeed's: `lazy_mode=True`
 returns ordinary tensors (the values are the same; DeepSpeed's lazy tensors only defer reading),
 and `convert_zero_checkpoint_to_fp32_state_dict` writes one file, never shards
 (`max_shard_size` is accepted for the signature).
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpoint.deepspeed.convert import deepspeed_tag_dir
+from zeroshard.checkpoint.deepspeed.fp32 import deepspeed_fp32_state_dict
 from zeroshard.checkpoint.export import _write_state_dict, consolidate_fp32
 from zeroshard.checkpoint.format import CheckpointReader, resolve_checkpoint_dir
 
@@ -31,6 +34,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """The fp32 state dict of the checkpoint `tag` (default: the one `latest` names) under
     `checkpoint_dir`; with `exclude_frozen_parameters`, without the parameters that did not train."""
+    ds_tag_dir = deepspeed_tag_dir(checkpoint_dir, tag)
+    if ds_tag_dir is not None:  # a checkpoint DeepSpeed wrote (or ds_to_universal)
+        return deepspeed_fp32_state_dict(ds_tag_dir, exclude_frozen_parameters)
     tag_dir = resolve_checkpoint_dir(checkpoint_dir, tag)
     state = consolidate_fp32(tag_dir)
     if exclude_frozen_parameters:

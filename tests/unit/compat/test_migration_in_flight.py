@@ -9,8 +9,9 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
-from tests.unit.checkpoint.deepspeed_fixtures import UNIVERSAL, UNIVERSAL_FROM, ckpt, expected
+from tests.unit.checkpoint.deepspeed_fixtures import UNIVERSAL, UNIVERSAL_FROM, ckpt, expected, zero_to_fp32
 from zeroshard.checkpoint import consolidate_fp32
 from zeroshard.checkpoint.deepspeed.convert import read_any_deepspeed
 from zeroshard.cli import main
@@ -30,7 +31,8 @@ def test_moving_a_run_in_flight_commands(tmp_path, monkeypatch) -> None:
     shutil.copytree(ckpt(UNIVERSAL_FROM), tmp_path / "ds_ckpt")
     shutil.copytree(UNIVERSAL, tmp_path / "ds_universal")
     commands = _commands()
-    assert [c[:2] for c in commands] == [["zeroshard", "from-deepspeed"]] * 2 + [["zeroshard", "to-deepspeed"]]
+    assert [c[:2] for c in commands] == ([["zeroshard", "from-deepspeed"]] * 2 + [["zeroshard", "to-deepspeed"]]
+                                         + [["zeroshard", "to-fp32"]])
     monkeypatch.chdir(tmp_path)
     for command in commands:  # the `zeroshard` entry point, in this process (a subprocess only adds imports)
         assert main(command[1:]) == 0, command
@@ -39,6 +41,10 @@ def test_moving_a_run_in_flight_commands(tmp_path, monkeypatch) -> None:
         full = consolidate_fp32(tmp_path / out)
         for name, value in want.items():
             torch.testing.assert_close(full[name], value, rtol=0, atol=0)
+    fp32 = load_file(str(tmp_path / "ds_fp32.safetensors"))
+    assert sorted(fp32) == sorted(zero_to_fp32(UNIVERSAL_FROM))
+    for name, value in zero_to_fp32(UNIVERSAL_FROM).items():  # DeepSpeed's own zero_to_fp32 output
+        torch.testing.assert_close(fp32[name], value, rtol=0, atol=0)
     back = read_any_deepspeed(tmp_path / "ds_back" / "global_step3")
     assert (back.stage, back.world_size) == (2, 2)
     for name, value in want.items():

@@ -15,6 +15,11 @@ import torch
 
 # The optimizer state zeroshard and DeepSpeed both keep per element for Adam and AdamW.
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+# Muon's per-element state on its matrices (its auxiliary AdamW keeps ADAM_STATE_KEYS).
+MUON_STATE_KEY = "momentum_buffer"
+STATE_KEYS = (*ADAM_STATE_KEYS, MUON_STATE_KEY)
+# The optimizer_class of a Muon state; zeroshard's engine saves its optimizer as ShardedMuon.
+MUON_CLASS = "Muon"
 
 
 @dataclass
@@ -26,7 +31,7 @@ class PortableState:
     optimizer_state: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg": ..., ...}
     steps: list[float | None]  # each param group's optimizer step count
     hyper: list[dict[str, Any]]  # each param group's hyper-parameters (lr, betas, ...), no "params"
-    optimizer_class: str  # "AdamW", "Adam"
+    optimizer_class: str  # "AdamW", "Adam", "Muon" (each group's hyper says use_muon)
     module_keys: list[str]  # the model's state_dict keys, in order
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     frozen: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -29,7 +29,13 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.base import CheckpointError
-from zeroshard.checkpoint.deepspeed.portable import ADAM_STATE_KEYS, PortableState
+from zeroshard.checkpoint.deepspeed.portable import (
+    ADAM_STATE_KEYS,
+    MUON_CLASS,
+    MUON_STATE_KEY,
+    STATE_KEYS,
+    PortableState,
+)
 from zeroshard.checkpoint.deepspeed.unpickle import StandIn, load_pt
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -113,7 +119,10 @@ def _scaler_state(scaler: Any, dynamic: bool, precision: str) -> dict[str, Any]:
 
 
 def _optimizer_class(groups: list[dict[str, Any]], config: dict[str, Any]) -> str:
-    """torch's AdamW is Adam with decoupled weight decay; DeepSpeed's param groups say which."""
+    """torch's AdamW is Adam with decoupled weight decay; DeepSpeed's param groups say which.
+    MuonWithAuxAdam's groups each say use_muon."""
+    if any("use_muon" in g for g in groups):
+        return MUON_CLASS
     if groups and "decoupled_weight_decay" in groups[0]:
         return "AdamW" if groups[0]["decoupled_weight_decay"] else "Adam"
     kind = str((config.get("optimizer") or {}).get("type", "AdamW"))
@@ -215,10 +224,33 @@ def _read_stage0(tag_dir: Path, model: dict[str, Any], state: PortableState) -> 
         state.masters[name] = _tensor(source, where, f"master of {name}").detach().float().reshape(module[name].shape)
         entry = saved.get(i, {})
         state.optimizer_state[name] = {k: entry[k].detach().clone().reshape(module[name].shape)
-                                       for k in ADAM_STATE_KEYS if k in entry}
+                                       for k in STATE_KEYS if k in entry}
     state.steps = [_step(saved.get(g["params"][0], {})) if g["params"] else None for g in groups]
     state.hyper = _hyper(groups)
     state.optimizer_class = _optimizer_class(groups, state.config)
+
+
+def _muon_momenta(per_rank: list[dict[str, Any]], shapes: dict[str, Any], paddings: list[int] | None, part: int,
+                  where: Path, g: int) -> dict[str, torch.Tensor]:
+    """A Muon group's momentum_buffer at ZeRO-1/2: unlike the fp32 partition, each rank keeps
+    the whole momentum of every matrix its partition touches (Newton-Schulz needs the whole
+    matrix), back to back and without alignment padding; a matrix cut by a partition boundary
+    is on both ranks, identical (its gradient is all-reduced to both)."""
+    out: dict[str, torch.Tensor] = {}
+    for rank, saved in enumerate(per_rank):
+        buffer = _tensor(saved[MUON_STATE_KEY], where, f"momentum_buffer of group {g}").reshape(-1)
+        lo, hi, offset, position = rank * part, (rank + 1) * part, 0, 0
+        for i, (name, shape) in enumerate(shapes.items()):
+            numel = math.prod(shape)
+            if numel and offset < hi and offset + numel > lo:
+                if position + numel > buffer.numel():
+                    raise CheckpointError(f"{where}: rank {rank}'s momentum_buffer of group {g} holds "
+                                          f"{buffer.numel()} elements, fewer than its matrices need; the files "
+                                          "do not belong together.")
+                out.setdefault(name, buffer[position : position + numel].reshape(tuple(shape)).clone())
+                position += numel
+            offset += numel + (paddings[i] if paddings else 0)
+    return out
 
 
 def _read_zero12(tag_dir: Path, model: dict[str, Any], state: PortableState, optim: list[dict]) -> None:
@@ -238,6 +270,9 @@ def _read_zero12(tag_dir: Path, model: dict[str, Any], state: PortableState, opt
             if key in per_rank[0]:
                 full = torch.cat([s[key] for s in per_rank])
                 moments[key] = _split_sequential(full, group_shapes, pads, where, f"{key} of group {g}")
+        if MUON_STATE_KEY in per_rank[0]:
+            part = optim[0]["single_partition_of_fp32_groups"][g].numel()
+            moments[MUON_STATE_KEY] = _muon_momenta(per_rank, group_shapes, pads, part, where, g)
         for name in group_shapes:
             state.optimizer_state[name] = {k: moments[k][name] for k in moments}
         state.groups.append(list(group_shapes))

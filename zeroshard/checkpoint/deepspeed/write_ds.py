@@ -4,11 +4,13 @@ The files are the ones DeepSpeed itself writes for the state's stage, precision 
 ([Note: DeepSpeed's checkpoint layouts] in read_ds.py), with the keys it writes. Limits, because
 the layout here must equal the one the loading DeepSpeed engine builds: one ZeRO-3 sub-group per
 param group (DeepSpeed's default `sub_group_size` of 1e9 elements), no tensor/pipeline
-parallelism, Adam/AdamW state, and (fp16 at stage 0) DeepSpeed's unfused wrapper.
+parallelism, Adam/AdamW state (Muon's at stages 1-2), and (fp16 at stage 0) DeepSpeed's unfused
+wrapper.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections import OrderedDict
@@ -25,7 +27,13 @@ from zeroshard.checkpoint.deepspeed.ds_pickle import (
     save_pt,
     zero_stage_enum,
 )
-from zeroshard.checkpoint.deepspeed.portable import ADAM_STATE_KEYS, PortableState
+from zeroshard.checkpoint.deepspeed.portable import (
+    ADAM_STATE_KEYS,
+    MUON_CLASS,
+    MUON_STATE_KEY,
+    STATE_KEYS,
+    PortableState,
+)
 from zeroshard.checkpoint.deepspeed.read_ds import MODEL_FILE
 from zeroshard.checkpoint.format import validate_tag
 
@@ -100,7 +108,7 @@ def _write_stage0(state: PortableState, tag_dir: Path) -> None:
     index = {name: i for i, name in enumerate(state.names)}
     inner = {
         "state": {index[n]: {"step": _step_tensor(state, g),
-                             **{k: state.optimizer_state[n][k].clone() for k in ADAM_STATE_KEYS
+                             **{k: state.optimizer_state[n][k].clone() for k in STATE_KEYS
                                 if k in state.optimizer_state[n]}}
                   for g, names in enumerate(state.groups) for n in names},
         "param_groups": [_group_entry(state, g, [index[n] for n in names]) for g, names in enumerate(state.groups)],
@@ -158,6 +166,9 @@ def _write_zero12(state: PortableState, tag_dir: Path) -> None:
                     mapping[n] = FragmentAddress(numel=stop - start, start=start - lo)
                 offset += numel
             mappings.append(mapping)
+            if state.hyper[g].get("use_muon"):  # whole matrices, see read_ds._muon_momenta
+                base_state[g] = {MUON_STATE_KEY: torch.cat(
+                    [state.optimizer_state[n][MUON_STATE_KEY].reshape(-1) for n in mapping])}
         table = {
             "loss_scaler": _loss_scaler(state), "dynamic_loss_scale": state.loss_scaler.get("kind") == "dynamic",
             "overflow": False, "clip_grad": float(state.config.get("gradient_clipping", 0.0)),
@@ -205,11 +216,20 @@ def _write_zero3(state: PortableState, tag_dir: Path) -> None:
 
 def write_deepspeed(state: PortableState, save_dir: str | os.PathLike, tag: str) -> Path:
     """Write `state` as DeepSpeed checkpoint `save_dir/tag` and point `save_dir/latest` at it."""
-    if state.optimizer_class not in ("Adam", "AdamW"):
-        raise CheckpointError(f"optimizer {state.optimizer_class}: to-deepspeed writes Adam/AdamW state only.")
+    muon = state.optimizer_class in (MUON_CLASS, "ShardedMuon")
+    if state.optimizer_class not in ("Adam", "AdamW") and not muon:
+        raise CheckpointError(f"optimizer {state.optimizer_class}: to-deepspeed writes Adam/AdamW and Muon state only.")
+    if muon and state.stage not in (1, 2):
+        raise CheckpointError(f"a Muon state at stage {state.stage}: to-deepspeed writes Muon state at stages 1-2 "
+                              "(DeepSpeed 0.19's ZeRO-1/2 layout, the one checked against DeepSpeed); pass --stage "
+                              "1 or 2.")
     if state.stage not in (0, 1, 2, 3) or state.world_size < 1:
         raise CheckpointError(f"stage {state.stage}, world size {state.world_size}: DeepSpeed has stages 0-3 "
                               "and a world size of at least 1.")
+    if muon:  # MuonWithAuxAdam sorts a Muon group's matrices by shape, largest first (stable)
+        groups = [sorted(names, key=lambda n: tuple(state.masters[n].shape), reverse=True)
+                  if state.hyper[g].get("use_muon") else names for g, names in enumerate(state.groups)]
+        state = dataclasses.replace(state, groups=groups)
     save_dir = Path(save_dir)
     tag_dir = save_dir / validate_tag(tag)
     if tag_dir.exists():

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from zeroshard.checkpoint.base import CheckpointError, rank_file_name
-from zeroshard.checkpoint.deepspeed.portable import ADAM_STATE_KEYS, PortableState
+from zeroshard.checkpoint.deepspeed.portable import STATE_KEYS, PortableState
 from zeroshard.checkpoint.format import (
     EXTRAS_FILE,
     FORMAT_NAME,
@@ -77,7 +77,7 @@ def write_zeroshard(state: PortableState, save_dir: str | os.PathLike, tag: str,
     for g, names in enumerate(state.groups):
         fid = f"flat{g}"
         masters, start = [], 0
-        keys = [k for k in ADAM_STATE_KEYS if names and k in state.optimizer_state.get(names[0], {})]
+        keys = [k for k in STATE_KEYS if names and k in state.optimizer_state.get(names[0], {})]
         moments: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
         for name in names:
             master = state.masters[name]
