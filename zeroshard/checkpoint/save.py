@@ -91,22 +91,24 @@ def _same_types(a: Any, b: Any) -> bool:
 
 def param_groups_state(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each param group's hyper-parameters (lr, betas, ...) as JSON, noting tuple values."""
-    groups = []
-    for group in optimizer.param_groups:
-        hyper: dict[str, Any] = {}
-        tuple_keys = []
-        for key, value in group.items():
-            if key == "params":
-                continue
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, tuple):
-                tuple_keys.append(key)
-                value = list(value)
-            if json_roundtrips(value):
-                hyper[key] = value
-        groups.append({"hyper": hyper, "tuple_keys": tuple_keys})
-    return groups
+    return [json_hyper({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
+
+
+def json_hyper(hyper: dict[str, Any]) -> dict[str, Any]:
+    """One group's hyper-parameters as the index stores them: 1-element tensors as numbers,
+    tuples as lists (named in "tuple_keys" so a load restores them), values JSON cannot hold
+    left out."""
+    entry: dict[str, Any] = {}
+    tuple_keys = []
+    for key, value in hyper.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, tuple):
+            tuple_keys.append(key)
+            value = list(value)
+        if json_roundtrips(value):
+            entry[key] = value
+    return {"hyper": entry, "tuple_keys": tuple_keys}
 
 
 def _sampler_state(engine: Any) -> dict[str, Any] | None:

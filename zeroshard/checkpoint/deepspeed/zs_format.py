@@ -37,25 +37,11 @@ from zeroshard.checkpoint.format import (
     tensor_name,
     validate_tag,
 )
-from zeroshard.checkpoint.save import json_roundtrips
+from zeroshard.checkpoint.save import json_hyper, json_roundtrips
 
 # What the index records about where a converted checkpoint came from.
 SOURCE_KEY = "converted_from"
 _PRECISION_MODE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
-
-
-def _json_hyper(hyper: dict[str, Any]) -> dict[str, Any]:
-    entry: dict[str, Any] = {}
-    tuple_keys = []
-    for key, value in hyper.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, tuple):
-            tuple_keys.append(key)
-            value = list(value)
-        if json_roundtrips(value):
-            entry[key] = value
-    return {"hyper": entry, "tuple_keys": tuple_keys}
 
 
 def _accumulation(state: PortableState) -> int:
@@ -133,7 +119,7 @@ def write_zeroshard(state: PortableState, save_dir: str | os.PathLike, tag: str,
         "state_dict_keys": state.module_keys, "autoep": {}, "flats": flats,
         "counters": {"global_steps": state.global_steps, "micro_steps": state.global_steps * _accumulation(state),
                      "skipped_steps": state.skipped_steps, "global_samples": state.global_samples},
-        "optimizer": {"class": state.optimizer_class, "param_groups": [_json_hyper(h) for h in state.hyper]},
+        "optimizer": {"class": state.optimizer_class, "param_groups": [json_hyper(h) for h in state.hyper]},
         "loss_scaler": state.loss_scaler, "lr_scheduler": scheduler_entry, "data_sampler": None,
         "client_state": client_entry, "index_digest": INDEX_DIGEST_FILE, "config": state.config,
         SOURCE_KEY: {**source, "stage": state.stage, "world_size": state.world_size, "precision": state.precision},
