@@ -19,8 +19,9 @@ structure and the precision contract, not read from the engine:
 - "param" records: stages 1-2 all-gather every rank's master shards once after the step in
   the parameter dtype, in buckets cut like the reduce buckets (allgather_bucket_size); stage 3 all-gathers each flat before its forward and again before its backward,
   in the gather dtype, every micro-step (stage3_param_persistence_threshold 0 here).
-- one "norm" all-reduce of 1 + 3W fp32 elements (the norm, and per rank: whether its own
-  gradient was finite, its step counter, its training forwards in the step; zeroshard/step/optimizer_step.py).
+- one "norm" all-reduce of 2 + 3W fp32 elements (the norm, and per rank: whether its own
+  gradient was finite, its step counter, its training forwards in the step; and the count of
+  ranks asked to stop by a preemption signal; zeroshard/step/optimizer_step.py).
 
 Volume. We count what a ring algorithm moves, in units of the buffer: an all-reduce moves
 2x its buffer's bytes (a reduce-scatter then an all-gather), a reduce-scatter or an
@@ -143,7 +144,7 @@ def expected_records(mode: str, stage: int, world_size: int, ga: int, bucket: in
         size = padded(numel, world_size)
         if stage == 3:
             records[("all_gather", gather_dtype(mode, group), size, "param")] += 2 * ga
-    records[("all_reduce", "float32", 1 + 3 * world_size, "norm")] += 1
+    records[("all_reduce", "float32", 2 + 3 * world_size, "norm")] += 1
     return records
 
 
