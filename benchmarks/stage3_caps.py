@@ -69,6 +69,7 @@ def worker(args) -> None:
         config["bf16"] = {"enabled": True}
     engine, *_ = zeroshard.initialize(model=model, config=config)
     schedule = engine._grads.params
+    schedule.track_peak = True
     seq = model.config.block_size
     idx = torch.randint(0, model.config.vocab_size, (args.batch, seq), device=engine.device)
     targets = torch.randint(0, model.config.vocab_size, (args.batch, seq), device=engine.device)

@@ -94,7 +94,11 @@ class ParamSchedule:
         self.reuse_numel = reuse_numel
         self._reuse_distance: dict[int, int] = {}  # unit id -> elements until its next use
         self._kept: dict[int, Unit] = {}  # kept gathered from the forward for its backward
-        self.peak_held_numel = 0  # the most elements held gathered at once (a diagnostic)
+        # Counting what is held walks every flat: only when the cap can bind (a cap at least the
+        # model's size never does), or when a test or benchmark asks for the peak.
+        self._cap_binds = max_live_numel < sum(unit.sharded_numel for unit in units)
+        self.track_peak = False
+        self.peak_held_numel = 0  # the most elements held gathered at once, with track_peak
         self._in_backward = in_backward
         self._inputs_reached = inputs_reached or (lambda unit: None)
         self._order_now: list[Unit] = []  # units in the order the running forward used them
@@ -215,7 +219,7 @@ class ParamSchedule:
         return (
             # Strictly within, as DeepSpeed counts: a distance of 0 keeps nothing.
             distance is not None and distance < self.reuse_numel and torch.is_grad_enabled()
-            and self._held_numel() <= self.max_live_numel
+            and (not self._cap_binds or self._held_numel() <= self.max_live_numel)
         )
 
     # ------------------------------------------------------------ direct use
@@ -260,7 +264,8 @@ class ParamSchedule:
             self._running.add(id(unit))
             self._rewatch(unit)
             unit.gather()
-            self._held_numel()
+            if self.track_peak:
+                self._held_numel()
             if self._in_backward():
                 self._prefetch(unit, -1)  # a checkpoint's recomputation: backward order
                 return None
@@ -356,6 +361,11 @@ class ParamSchedule:
         return post
 
     def _prefetch(self, unit: Unit, direction: int) -> None:
+        self._start_prefetches(unit, direction)
+        if self.track_peak:
+            self._held_numel()
+
+    def _start_prefetches(self, unit: Unit, direction: int) -> None:
         """Start gathering the units that follow `unit` in the last forward's order (or
         precede it, going backwards): the next one always, then more up to `prefetch_numel`
         elements in all (FSDP2 and DeepSpeed likewise never leave the next unit unstarted)."""
@@ -363,18 +373,19 @@ class ParamSchedule:
         if position is None:
             return
         budget = self.prefetch_numel
-        room = self.max_live_numel - self._held_numel()  # stage3_max_live_parameters: never exceeded
+        # stage3_max_live_parameters: never exceeded (None: the cap cannot bind).
+        room = self.max_live_numel - self._held_numel() if self._cap_binds else None
         j = position + direction
         while 0 <= j < len(self._forward_order):
             nxt = self._forward_order[j]
             if nxt.numel > budget and j != position + direction:
                 return
-            missing = nxt.sharded_numel - nxt.held_numel
-            if missing > room:
-                return
+            if room is not None:
+                missing = nxt.sharded_numel - nxt.held_numel
+                if missing > room:
+                    return
+                room -= missing
             budget -= nxt.numel
-            room -= missing
             nxt.start_gather()
             j += direction
-        self._held_numel()
 

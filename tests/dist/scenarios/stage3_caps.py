@@ -22,6 +22,7 @@ def run_caps(settings: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]
         case = Case(stage=3, variant=label, extra={"zero_optimization": zero})
         engine = build_engine(case)
         schedule = engine._grads.params
+        schedule.track_peak = True
         phases = {"forward": [], "backward": []}
 
         def step(engine, case, batch):
