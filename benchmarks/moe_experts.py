@@ -13,7 +13,8 @@ interpreter (zeroshard from this checkout on its PYTHONPATH) and DeepSpeed's own
 on the same block (its loop, use_grouped_mm false, and its grouped path) takes turns with
 zeroshard's rows in one process; a path it cannot run is a row with the reason. The run ends
 within `--seconds` from the start of main() (setup and one untimed step per row included; the
-interpreter's start and torch's import before it are not). A benchmark, not a test: nothing
+interpreter's start and torch's import before it are not), except that every row is timed at
+least once, which on a loaded machine can take longer. A benchmark, not a test: nothing
 asserts.
 """
 
