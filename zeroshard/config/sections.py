@@ -396,23 +396,26 @@ class ZeroConfig(_Section):
     cpu_offload_param: bool | None = None
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
-    UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"leaf_module"})
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset(
         {
             "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
             "use_multi_rank_bucket_allreduce", "stage3_model_persistence_threshold",
             "stage3_module_granularity_threshold",
             "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
-            "stage3_partition_stream_chunk_size", "stage3_gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save", "sub_group_size", "load_from_fp32_weights",
+            "stage3_partition_stream_chunk_size", "sub_group_size", "load_from_fp32_weights",
             "elastic_checkpoint", "ignore_unused_parameters", "round_robin_gradients",
             "memory_efficient_linear", "override_module_apply", "pipeline_loading_checkpoint",
             "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory",
             "cpu_offload_use_pin_memory",
         }
     )
-    # The offload switches' defaults (off) are not worth listing.
-    UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"cpu_offload", "cpu_offload_param"})
+    # Defaults not worth listing: the leaf-module section (off), the offload switches (off), and
+    # the save-time gather flags, which no training result depends on (Hugging Face reads them
+    # through `engine.zero_gather_16bit_weights_on_model_save()`).
+    UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
+        {"leaf_module", "cpu_offload", "cpu_offload_param", "stage3_gather_16bit_weights_on_model_save",
+         "stage3_gather_fp16_weights_on_model_save"}
+    )
     # DeepSpeed's names without the stage3_ prefix (its pydantic aliases).
     ALIASES: ClassVar[dict[str, str]] = {
         "param_persistence_threshold": "stage3_param_persistence_threshold",
