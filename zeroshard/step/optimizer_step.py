@@ -99,12 +99,21 @@ class OptimizerStep:
         self.device = device
         self.placement = resolve_placement(flats)
         self.host_grads = HostGradients(is_final) if self.placement == "host" else None
-        self.optimizer: Any = None
+        self._optimizer: Any = None
         self.lr_scheduler: Any = None
         # Preemption (zeroshard/checkpoint/preempt.py): this rank's vote to stop rides in the
         # norm's all-reduce; `stop_agreed` is the world's answer, the same on every rank.
         self.stop_vote: Callable[[], bool] = lambda: False
         self.stop_agreed = False
+
+    @property
+    def optimizer(self) -> Any:
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        self._optimizer = value
+        _mark_overflow(value, False)
 
     def run(self, local_grad_sum: torch.Tensor | None = None, position: tuple[int, int] = (0, 0)) -> StepResult:
         """One step on the reduced gradients; skipped (parameters, optimizer state and
@@ -162,6 +171,7 @@ class OptimizerStep:
             publish_masters(self.flats, self.publish_bucket_numel)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        _mark_overflow(self.optimizer, overflow)
         self.loss_scaler.update(overflow)
         for flat in self.flats:
             flat.master.grad = None
@@ -233,3 +243,16 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     for tensor in tensors:
         groups.setdefault(tensor.device, []).append(tensor)
     return groups
+
+
+def _mark_overflow(optimizer: Any, overflow: bool) -> None:
+    """`optimizer.overflow`: whether the last step was skipped, as DeepSpeed's ZeRO and fp16
+    optimizers say it. Accelerate reads it (`accelerator.optimizer_step_was_skipped`, which the
+    Hugging Face Trainer asks after every step) and looks for it when it wraps the optimizer,
+    before any step, so it exists from the moment the engine holds the optimizer."""
+    if optimizer is None:
+        return
+    try:
+        optimizer.overflow = bool(overflow)
+    except (AttributeError, TypeError):  # an optimizer with __slots__ or a read-only property
+        pass

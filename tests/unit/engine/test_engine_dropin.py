@@ -111,3 +111,26 @@ def test_lower_precision_safe_modules_default_to_deepspeeds_classes():
     assert default == [nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d]
     engine = make_engine(torch_autocast={"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linear"]})
     assert engine.torch_autocast_lower_precision_safe_modules() == ["torch.nn.Linear"]
+
+
+def test_optimizer_overflow_says_whether_each_step_was_skipped():
+    """`engine.optimizer.overflow`, which Accelerate's DeepSpeedOptimizerWrapper looks for when it
+    wraps the optimizer (before any step: accelerate/utils/deepspeed.py `__has_overflow__`) and
+    returns as `step_was_skipped`. The reference is the engine's own skip count."""
+    # fp16 with a loss scale of 2**32: the scaled loss overflows fp16 until the scale has halved
+    # far enough, so the first steps are skipped and a later one is taken.
+    engine = make_engine(fp16={"enabled": True, "initial_scale_power": 32, "hysteresis": 1})
+    assert engine.optimizer.overflow is False
+    x = torch.randn(2, 4, dtype=torch.float16)
+    seen = []
+    for _ in range(40):
+        before = engine.skipped_steps
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        skipped = engine.skipped_steps == before + 1
+        assert engine.optimizer.overflow is skipped
+        seen.append(skipped)
+        if not skipped:
+            break
+    assert seen[0] is True and seen[-1] is False, seen
