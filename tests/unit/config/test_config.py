@@ -288,7 +288,9 @@ def test_no_effect_knob_set_to_something_warns_once():
 
 
 
-@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"])
+@pytest.mark.parametrize(
+    "key", ["stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"]
+)
 def test_the_save_time_gather_flag_is_not_reported_as_without_effect(key):
     """The Hugging Face Trainer reads it (engine.zero_gather_16bit_weights_on_model_save()) to
     choose between one gathered weights file and a checkpoint, so "changes nothing" would be false."""
