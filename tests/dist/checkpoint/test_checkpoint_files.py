@@ -25,8 +25,8 @@ from tests.dist.checkpoint.test_checkpoint_helpers import (
     snapshot,
     train,
 )
-from zeroshard.checkpoint import save as checkpoint_save
 from zeroshard.checkpoint import CheckpointError, consolidate_fp32, write_fp32
+from zeroshard.checkpoint import save as checkpoint_save
 from zeroshard.cli import main as cli_main
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.checkpoint_craft import register_file, rewrite_index, rewrite_rank_file
 from tests.dist.checkpoint.test_checkpoint_helpers import assert_snapshots_equal, make_engine, snapshot, train
+from tests.dist.checkpoint_craft import register_file, rewrite_index, rewrite_rank_file
 from zeroshard.checkpoint import CheckpointError
 
 TAG = "global_step2"

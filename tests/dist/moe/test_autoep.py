@@ -131,9 +131,9 @@ def test_load_balance_moves_the_bias_by_coeff_centred(world4) -> None:
 
 
 def test_load_balance_refused_without_a_selection_bias() -> None:
+    from tests.dist.scenarios.autoep import build_hf
     from zeroshard.config.expert_parallel import ExpertParallelConfig
     from zeroshard.module_inject.auto_ep import replace_moe_layers
-    from tests.dist.scenarios.autoep import build_hf
 
     with pytest.raises(ValueError, match=r"expert_parallel.load_balance_coeff=0.001: .* Remove load_balance_coeff"):
         replace_moe_layers(build_hf("mixtral"), ExpertParallelConfig(enabled=True, load_balance_coeff=1e-3), 1)

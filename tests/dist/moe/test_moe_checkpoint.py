@@ -15,7 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.scenarios.moe_engine import EngineCase, build_model, global_names, load_then_continue, save_then_continue
+from tests.dist.scenarios.moe_engine import (
+    EngineCase,
+    build_model,
+    global_names,
+    load_then_continue,
+    save_then_continue,
+)
 from zeroshard.checkpoint.export import consolidate_fp32
 
 TIMEOUT_S = 600

@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from tests.dist.scenarios.moe_layer import (
-    NUM_EXPERTS, LayerCase, bad_ep_size, build_layer, layer_cases, rank_batch,
+    NUM_EXPERTS,
+    LayerCase,
+    bad_ep_size,
+    build_layer,
+    layer_cases,
+    rank_batch,
 )
 
 WORLD = 4

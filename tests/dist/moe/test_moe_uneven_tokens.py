@@ -23,8 +23,20 @@ import pytest
 import torch
 
 from tests.dist.scenarios.moe_uneven import (
-    BATCH, CLIP, EVAL_SEQ, GA, K, LR, NUM_EXPERTS, SEQ_LENGTHS, STEPS, build_model, eval_batch, global_names,
-    train_batch, train_uneven,
+    BATCH,
+    CLIP,
+    EVAL_SEQ,
+    GA,
+    LR,
+    NUM_EXPERTS,
+    SEQ_LENGTHS,
+    STEPS,
+    K,
+    build_model,
+    eval_batch,
+    global_names,
+    train_batch,
+    train_uneven,
 )
 
 WORLD = 2

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.dist.ns_reference import reference_newton_schulz
 import zeroshard
+from tests.dist.ns_reference import reference_newton_schulz
 from zeroshard.comm import compat as _compat
 from zeroshard.optim.muon.optimizer import ShardedMuon, matrix_layout, split_param_groups
 

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.optim.muon.optimizer import ShardedMuon, split_param_groups
 from zeroshard.optim.muon.newton_schulz import orthogonalize
+from zeroshard.optim.muon.optimizer import ShardedMuon, split_param_groups
 
 ROWS, COLS = 16, 64  # 1024 elements: each rank's shard is half of the one matrix
 LR = 1.0

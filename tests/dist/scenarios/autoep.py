@@ -17,8 +17,8 @@ from torch import nn
 
 import zeroshard
 from zeroshard.config.expert_parallel import ExpertParallelConfig
-from zeroshard.moe.utils import attach_expert_groups
 from zeroshard.module_inject.auto_ep import autoep_layers, replace_moe_layers
+from zeroshard.moe.utils import attach_expert_groups
 
 KINDS = ("mixtral", "qwen3_moe", "deepseek_v3")
 MORE_KINDS = ("qwen2_moe", "deepseek_v2")  # forward equality only
@@ -30,7 +30,11 @@ def build_hf(kind: str) -> nn.Module:
     """A 2-layer model with 4 (8 for DeepSeek-V3) experts; routers and DeepSeek's selection
     bias drawn large and non-zero so that routing is far from uniform and the bias matters."""
     from transformers import (
-        DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.dist.scenarios.common import Case, build_engine, engine_loop_step
 from tests.dist.reference import global_batches
+from tests.dist.scenarios.common import Case, build_engine, engine_loop_step
 from zeroshard.comm import collectives as comm
 
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard
-from tests.dist.scenarios.common import Case, build_engine, engine_loop_step, full_masters
 from tests.dist.reference import global_batches
+from tests.dist.scenarios.common import Case, build_engine, engine_loop_step, full_masters
 from zeroshard.comm import collectives as comm
 
 

@@ -11,7 +11,6 @@ import zeroshard
 from tests.dist.reference import TrainSettings
 from tests.dist.scenarios.common import Case, build_engine, case_batches, my_micro_batch
 
-
 GRAD_VIEW_SETTINGS = TrainSettings(optimizer="SGD", weight_decay=0.0, momentum=0.0)
 
 

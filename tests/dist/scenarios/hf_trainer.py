@@ -152,8 +152,9 @@ def _fp32_from_checkpoint(trainer, checkpoint: Path) -> float | None:
     """DeepSpeed's recovery path for a Trainer checkpoint (`zero_to_fp32`): the largest difference
     between `load_state_dict_from_zero_checkpoint(model, checkpoint-N)` and the engine's weights
     gathered parameter by parameter (fp32 run: the weights are the masters). Rank 0's; None elsewhere."""
-    import zeroshard
     from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+
+    import zeroshard
 
     expected = {}
     for name, p in trainer.model_wrapped.module.named_parameters():
@@ -167,9 +168,10 @@ def _fp32_from_checkpoint(trainer, checkpoint: Path) -> float | None:
 
 
 def group_save_model(workdir: Path) -> dict:
-    import zeroshard
     from transformers import LlamaForCausalLM
     from transformers.trainer_pt_utils import get_model_param_count
+
+    import zeroshard
 
     trainer, _ = train(workdir, "save_model", ds_config(3))
     engine = trainer.model_wrapped

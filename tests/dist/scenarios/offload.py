@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tests.dist.reference import micro_batch
 from tests.dist.scenarios.common import (
     Case,
     build_engine,
@@ -23,7 +24,6 @@ from tests.dist.scenarios.common import (
     full_module_params,
     full_optimizer_state,
 )
-from tests.dist.reference import micro_batch
 
 OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}}
 OFFLOAD_PARAM = {

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from zeroshard.comm import collectives as comm
-from zeroshard.sharding.layout import partition
 from zeroshard.sequence.layer import DistributedAttention, _SeqAllToAll, head_counts
+from zeroshard.sharding.layout import partition
 
 
 @dataclass(frozen=True)
