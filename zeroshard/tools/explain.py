@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zeroshard.config.monitor import monitor_destinations
+from zeroshard.config.preemption import signal_number
 from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
@@ -164,6 +165,7 @@ def explain_data(
         "model": None,
         "moe": None,
         "autoep": _autoep_given(config) if config.expert_parallel.enabled else None,
+        "checkpointing": _checkpointing(config),
     }
     estimate: MemoryEstimate | None = None
     if model_spec is not None:
@@ -258,6 +260,45 @@ def _placement(config: ZeroshardConfig) -> dict[str, Any]:
         "optimizer_step": "host CPU (fused CPU Adam)" if zero.optimizer_offload else "device",
         "pin_memory": zero.offload_pin_memory,
     }
+
+
+def _checkpointing(config: ZeroshardConfig) -> dict[str, Any]:
+    """How saves are written (checkpoint.writer.decoupled) and what a scheduler's signal does
+    (the preemption section; docs/cluster.md)."""
+    writer = config.checkpoint.writer
+    preemption = config.preemption
+    return {
+        "asynchronous": bool(writer is not None and writer.decoupled),
+        "tag_validation": config.checkpoint.tag_validation,
+        "preemption": None if not preemption.enabled else {
+            "signals": [signal_number(name).name for name in preemption.signals],
+            "save_dir": preemption.save_dir, "tag": preemption.tag,
+            "exit_code": preemption.exit_code, "resume": preemption.resume,
+        },
+    }
+
+
+def _checkpointing_lines(checkpointing: dict[str, Any]) -> list[str]:
+    lines = [
+        "checkpoints: asynchronous (checkpoint.writer.decoupled): save_checkpoint returns once the state is in "
+        "host memory and a background thread writes the files"
+        if checkpointing["asynchronous"] else "checkpoints: written before save_checkpoint returns"
+    ]
+    preemption = checkpointing["preemption"]
+    if preemption is None:
+        lines.append("preemption: off (a signal ends the run as it would without zeroshard)")
+        return lines
+    signals = ", ".join(preemption["signals"]) or "no signals"
+    if preemption["save_dir"]:
+        tag = preemption["tag"] or "global_step<N>"
+        then = (f"the ranks save to {preemption['save_dir']} (tag {tag}) at the step boundary where they agree, "
+                f"then every rank exits {preemption['exit_code']}")
+    else:
+        then = "engine.should_stop() turns true on every rank at the same step (no save_dir: the loop saves itself)"
+    lines.append(f"preemption: {signals} -> {then}")
+    if preemption["resume"]:
+        lines.append(f"  at initialize: resume from the newest complete checkpoint in {preemption['save_dir']}")
+    return lines
 
 
 def _replicas(data: dict[str, Any]) -> str:
@@ -421,6 +462,8 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     console.print("\ndefaults applied: " + (", ".join(data["defaults_applied"]) or "none"))
     console.print("accepted, no effect: " + (", ".join(data["no_effect_keys"]) or "none"))
     console.print("monitors: " + ("; ".join(data.get("monitors", [])) or "none"))
+    for line in _checkpointing_lines(data["checkpointing"]):
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 def explain_text(config: Any, world_size: int = 1, model: str | None = None, params: int | None = None) -> str:

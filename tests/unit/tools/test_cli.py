@@ -178,3 +178,29 @@ def test_trainer_configs_with_auto_are_explained_as_placeholders(capsys, path):
     err = capsys.readouterr().err
     assert err.count('"auto" is a placeholder that the Hugging Face Trainer') == 1, err
     assert "zeroshard install-deepspeed-alias" in err
+
+
+def test_checkpointing_and_preemption_are_explained(capsys, tmp_path):
+    """What a save and a scheduler's signal do, as the config's checkpoint.writer.decoupled and
+    preemption section say (docs/cluster.md)."""
+    plain = run_json(capsys, write(tmp_path, {"train_micro_batch_size_per_gpu": 2}))
+    assert plain["checkpointing"] == {"asynchronous": False, "tag_validation": "Warn", "preemption": None}
+    raw = {"train_micro_batch_size_per_gpu": 2, "checkpoint": {"writer": {"decoupled": True}},
+           "preemption": {"enabled": True, "signals": ["usr1", "SIGTERM"], "save_dir": "/ckpt/run1",
+                          "exit_code": 99, "resume": True}}
+    path = write(tmp_path, raw, "preempt.json")
+    data = run_json(capsys, path)
+    assert data["checkpointing"] == {
+        "asynchronous": True, "tag_validation": "Warn",
+        "preemption": {"signals": ["SIGUSR1", "SIGTERM"], "save_dir": "/ckpt/run1", "tag": None, "exit_code": 99,
+                       "resume": True},
+    }
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints: asynchronous (checkpoint.writer.decoupled)" in out
+    assert "preemption: SIGUSR1, SIGTERM -> the ranks save to /ckpt/run1 (tag global_step<N>)" in out
+    assert "then every rank exits 99" in out and "resume from the newest complete checkpoint in /ckpt/run1" in out
+    raw["preemption"] = {"enabled": True}
+    assert main(["explain", str(write(tmp_path, raw, "poll.json"))]) == 0
+    out = capsys.readouterr().out
+    assert "preemption: SIGTERM, SIGUSR1, SIGUSR2 -> engine.should_stop() turns true" in out
