@@ -274,7 +274,9 @@ def _shift_offsets(tag_dir: Path) -> None:
 
 
 FAULTS = {
-    "truncated_shard": (lambda d: _truncate(d, "rank_00001.safetensors"), r"rank_00001\.safetensors: corrupt: .*truncated"),
+    "truncated_shard": (
+        lambda d: _truncate(d, "rank_00001.safetensors"), r"rank_00001\.safetensors: corrupt: .*truncated"
+    ),
     "truncated_shard_registered": (_truncate_and_register, r"rank_00001\.safetensors: unreadable safetensors"),
     "truncated_index": (lambda d: _truncate(d, "index.json"), r"index\.json: corrupt: its sha256 differs"),
     "edited_offsets": (_shift_offsets, r"index\.json: params\.[\w.]+\.fragments"),

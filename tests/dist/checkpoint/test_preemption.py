@@ -37,7 +37,8 @@ def test_a_signal_to_one_rank_stops_every_rank_with_one_checkpoint(dist_pool, tm
         assert seen["stopped_at"] == stop, f"rank {rank}: {seen}"
         assert seen["saved"] == str(tag) and seen["resumed"] == str(tag), f"rank {rank}: {seen}"
     assert (tmp_path / "latest").read_text().strip() == tag.name
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"latest", tag.name} | ({"user"} if "save" in kind else set()))
+    expected = {"latest", tag.name} | ({"user"} if "save" in kind else set())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
     if kind == "mid_eval":
         assert [seen["evaluated"] for seen in ranks] == [0, 0]  # both left at the same batch
     if kind == "mid_eval_no_poll":

@@ -17,7 +17,8 @@ structure and the precision contract, not read from the engine:
   reduce order and cut across flats, so one reduction issues ceil(columns / capacity)
   collectives per dtype (one with the default bucket of 5e8).
 - "param" records: stages 1-2 all-gather every rank's master shards once after the step in
-  the parameter dtype, in buckets cut like the reduce buckets (allgather_bucket_size); stage 3 all-gathers each flat before its forward and again before its backward,
+  the parameter dtype, in buckets cut like the reduce buckets (allgather_bucket_size); stage 3
+  all-gathers each flat before its forward and again before its backward,
   in the gather dtype, every micro-step (stage3_param_persistence_threshold 0 here).
 - one "norm" all-reduce of 2 + 3W fp32 elements (the norm, and per rank: whether its own
   gradient was finite, its step counter, its training forwards in the step; and the count of

@@ -23,7 +23,8 @@ def test_hf_trainer_example_runs_under_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(alias), str(ROOT)]))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(ROOT / "examples" / "hf_trainer.py"), "--deepspeed", str(ROOT / "examples" / "configs" / "hf_trainer_zero3.json"),
+        str(ROOT / "examples" / "hf_trainer.py"),
+        "--deepspeed", str(ROOT / "examples" / "configs" / "hf_trainer_zero3.json"),
         "--use_cpu", "--output_dir", str(out), "--max_steps", "6",
     ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

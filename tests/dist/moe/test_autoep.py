@@ -103,7 +103,9 @@ def test_training_equals_autoep_size_one(world4, case) -> None:
         mine, theirs = merged(train, i, step), merged(train, base, step)
         assert set(mine) == set(theirs)
         for name, value in theirs.items():
-            torch.testing.assert_close(mine[name], value, **tol, msg=lambda m, n=name: f"{case} step {step + 1} {n}: {m}")
+            torch.testing.assert_close(
+                mine[name], value, **tol, msg=lambda m, n=name, s=step: f"{case} step {s + 1} {n}: {m}"
+            )
     # The masters moved: the comparison is not between two untouched models.
     first, last = merged(train, base, 0), merged(train, base, STEPS - 1)
     assert any(not torch.equal(first[n], last[n]) for n in first)

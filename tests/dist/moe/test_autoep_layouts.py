@@ -86,7 +86,9 @@ def test_uneven_batches_train_as_the_unswapped_model(runs, stage) -> None:
         mine = merged(results[STAGES.index(stage)], step)
         assert set(mine) == set(reference[step])
         for name, value in reference[step].items():
-            torch.testing.assert_close(mine[name], value, **FP32, msg=lambda m, n=name, s=step: f"step {s + 1} {n}: {m}")
+            torch.testing.assert_close(
+                mine[name], value, **FP32, msg=lambda m, n=name, s=step: f"step {s + 1} {n}: {m}"
+            )
 
 
 @pytest.mark.parametrize("stage", STAGES)

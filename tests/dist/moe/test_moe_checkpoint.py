@@ -61,7 +61,9 @@ def test_resume_equals_uninterrupted(runs) -> None:
 def test_load_onto_another_ep_size_and_stage(runs, index: int) -> None:
     _, saved, _, resharded, _ = runs
     for what in ("master", "exp_avg"):
-        torch.testing.assert_close(merged(resharded[index], "loaded", what), merged(saved, "saved", what), atol=0, rtol=0)
+        torch.testing.assert_close(
+            merged(resharded[index], "loaded", what), merged(saved, "saved", what), atol=0, rtol=0
+        )
         torch.testing.assert_close(merged(resharded[index], "after", what), merged(saved, "after", what), **FP32)
 
 

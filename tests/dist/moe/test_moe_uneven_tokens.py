@@ -101,7 +101,9 @@ def test_dynamic_padding_trains_as_one_process_at_the_agreed_capacity(runs, refe
                 mine[name] = value
         assert set(mine) == set(ref_masters[step])
         for name, value in ref_masters[step].items():
-            torch.testing.assert_close(mine[name], value, **FP32, msg=lambda m, n=name, s=step: f"step {s + 1} {n}: {m}")
+            torch.testing.assert_close(
+                mine[name], value, **FP32, msg=lambda m, n=name, s=step: f"step {s + 1} {n}: {m}"
+            )
 
 
 @pytest.mark.parametrize("stage", STAGES)

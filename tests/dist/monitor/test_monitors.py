@@ -59,7 +59,7 @@ def assert_events(actual: dict[str, list[tuple[int, float]]], expected, loss_rel
         got = actual[name]
         assert [s for s, _ in got] == [s for s, _ in rows], (name, got, rows)
         rel = loss_rel if name.endswith("train_loss") else other_rel
-        for (_, value), (_, want) in zip(got, rows):
+        for (_, value), (_, want) in zip(got, rows, strict=True):
             assert value == pytest.approx(want, rel=rel, abs=0), (name, got, rows)
 
 

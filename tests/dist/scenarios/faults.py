@@ -62,8 +62,9 @@ def rank_falls_behind(case: Case, bad_rank: int, bad_step: int) -> dict[str, Any
 
     engine.module.register_forward_hook(fail_once)
     started = time.monotonic()
-    error = None
+    error, loop_step = None, None
     for step, batch in enumerate(case_batches(case)):
+        loop_step = step  # reported with the outcome: the batch the loop had reached when it stopped
         tokens, targets = my_micro_batch(batch, 0, case)
         try:
             loss = engine(tokens, targets)
@@ -77,5 +78,5 @@ def rank_falls_behind(case: Case, bad_rank: int, bad_step: int) -> dict[str, Any
             break
     outcome = _outcome(error, started)
     outcome["global_steps"] = engine.global_steps
-    outcome["loop_step"] = step
+    outcome["loop_step"] = loop_step
     return outcome

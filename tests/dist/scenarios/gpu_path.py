@@ -194,7 +194,7 @@ def autocast_copies(stage: int) -> dict[str, Any]:
         loss = engine(torch.randn(4, 16, requires_grad=True))
     engine.backward(loss)
     counts: dict[str, int] = {}
-    for name, p in engine.module.named_parameters():
+    for _name, p in engine.module.named_parameters():
         group = engine._param_group_name[id(p)]
         counts[group] = counts.get(group, 0) + engine.locate(p)[0].numels[engine.locate(p)[1]]
     estimate = estimate_for_config(engine.config, engine.precision_plan, counts, world_size=dist.get_world_size())

@@ -66,7 +66,9 @@ def ds_config(stage: int, scheduler: bool = False) -> dict:
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
         "bf16": {"enabled": "auto"},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "optimizer": {
+            "type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
         "zero_optimization": {"stage": stage},
     }
     if stage == 3:
@@ -105,7 +107,8 @@ def train(workdir: Path, name: str, deepspeed: dict | None, bf16: bool = False, 
     _reset_accelerate()
     args = TrainingArguments(
         output_dir=str(workdir / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        per_device_eval_batch_size=2, max_steps=STEPS, learning_rate=1e-3, weight_decay=0.01, logging_steps=1, use_cpu=True, bf16=bf16,
+        per_device_eval_batch_size=2, max_steps=STEPS, learning_rate=1e-3, weight_decay=0.01, logging_steps=1,
+        use_cpu=True, bf16=bf16,
         deepspeed=deepspeed, report_to=[], seed=0, dataloader_drop_last=True,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, torch_compile=torch_compile,
     )
@@ -144,7 +147,8 @@ def group_resume(workdir: Path) -> dict:
         trainer, resumed = train(workdir, name, ds_config(stage, scheduler=True), save_steps=2, resume=True)
         out[f"stage{stage}"] = {"whole": whole, "resumed": resumed, "checkpoint_files": found,
                                 "global_steps": trainer.model_wrapped.global_steps,
-                                "fp32_from_checkpoint": _fp32_from_checkpoint(trainer, workdir / name / f"checkpoint-{STEPS}")}
+                                "fp32_from_checkpoint": _fp32_from_checkpoint(
+                                    trainer, workdir / name / f"checkpoint-{STEPS}")}
     return out
 
 

@@ -112,7 +112,9 @@ def train_uneven(stages: list[int]) -> list[dict[str, Any]]:
                     loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
-            out["masters"].append({n: zeroshard.safe_get_full_fp32_param(p) for n, p in global_names(engine.module).items()})
+            out["masters"].append(
+                {n: zeroshard.safe_get_full_fp32_param(p) for n, p in global_names(engine.module).items()}
+            )
         engine.eval()
         with torch.no_grad():
             out["eval_loss"] = engine(*eval_batch(rank)).item()

@@ -99,7 +99,7 @@ def preempted_run(kind: str, stage: int, mode: str, save_dir: str, steps: int = 
                 if step == 2 and kind in ("mid_step", "two_signals"):
                     fired: list[bool] = []  # the first forward of the step only
 
-                    def hook(*_: Any) -> None:
+                    def hook(*_: Any, fired: list[bool] = fired) -> None:
                         if not fired:
                             fired.append(True)
                             _signal_in_step(kind, rank)

@@ -113,7 +113,9 @@ def train(stages: list[int], sp: int, steps: int = STEPS, via: str = "mpu") -> l
                 ids, shift_labels = _group_batch(step, group, seq)
                 logits = engine(input_ids=ids[:, mine], position_ids=positions[:, mine]).logits
                 counted = (shift_labels[:, mine] != -100).sum()
-                loss = token_weighted_loss(_token_sum(logits, shift_labels[:, mine]), counted, engine.seq_parallel_group)
+                loss = token_weighted_loss(
+                    _token_sum(logits, shift_labels[:, mine]), counted, engine.seq_parallel_group
+                )
                 engine.backward(loss)
                 if step == 0:
                     grads = {n: zeroshard.safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
@@ -124,7 +126,8 @@ def train(stages: list[int], sp: int, steps: int = STEPS, via: str = "mpu") -> l
                       dist.get_process_group_ranks(engine.data_parallel_group))
         finally:
             UlyssesSPAttentionHF.unregister_from_transformers()
-        results.append({"stage": stage, "losses": losses, "params": params, "groups": groups, "grads": grads, "ref_grads": ref["grads"],
+        results.append({"stage": stage, "losses": losses, "params": params, "groups": groups, "grads": grads,
+                        "ref_grads": ref["grads"],
                         "ref_losses": [step[group] for step in ref["losses"]], "ref_params": ref["params"]})
     return results
 

@@ -25,7 +25,7 @@ def run_caps(settings: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]
         schedule.track_peak = True
         phases = {"forward": [], "backward": []}
 
-        def step(engine, case, batch):
+        def step(engine, case, batch, *, phases=phases):
             losses = []
             for j in range(case.ga):
                 tokens, targets = my_micro_batch(batch, j, case)

@@ -174,7 +174,8 @@ class MixedDtypeAdapterModule(nn.Module):
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         base = nn.functional.linear(x, self.base_weight)
-        adapter = nn.functional.linear(nn.functional.linear(x, self.adapter_a), self.adapter_b) / self.adapter_a.shape[0]
+        low_rank = nn.functional.linear(x, self.adapter_a)
+        adapter = nn.functional.linear(low_rank, self.adapter_b) / self.adapter_a.shape[0]
         return nn.functional.mse_loss((base + adapter).float(), target.float())
 
 

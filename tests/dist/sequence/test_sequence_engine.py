@@ -39,7 +39,8 @@ def test_sequence_parallel_training_equals_data_parallel(dist_pool, world: int, 
             )
             for name, ref in result["ref_grads"].items():
                 torch.testing.assert_close(
-                    result["grads"][name], ref, atol=1e-6, rtol=1e-5, msg=lambda m, s=label, n=name: f"{s}: grad {n}: {m}"
+                    result["grads"][name], ref, atol=1e-6, rtol=1e-5,
+                    msg=lambda m, s=label, n=name: f"{s}: grad {n}: {m}",
                 )
             for name, ref in result["ref_params"].items():
                 torch.testing.assert_close(

@@ -56,7 +56,9 @@ def test_alst_pads_sequences_not_divisible_by_p(dist_pool, world: int) -> None:
         for i, result in enumerate(results):
             label = f"rank {rank} micro-batch {i}"
             for key in ("logits", "loss"):
-                torch.testing.assert_close(*result[key], atol=ATOL, rtol=RTOL, msg=lambda m, s=label, k=key: f"{s} {k}: {m}")
+                torch.testing.assert_close(
+                    *result[key], atol=ATOL, rtol=RTOL, msg=lambda m, s=label, k=key: f"{s} {k}: {m}"
+                )
             for name, pair in result["grads"].items():
                 torch.testing.assert_close(*pair, atol=ATOL, rtol=RTOL, msg=lambda m, s=label, n=name: f"{s} {n}: {m}")
 

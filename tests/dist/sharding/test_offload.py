@@ -182,7 +182,8 @@ def bf16_master_cases(world_size: int) -> list[tuple[str, Case, int]]:
         for label, extra, k in (("bf16 masters, fp32 state", BF16_MASTER, 4),
                                 ("bf16 masters and state", BF16_MASTER_STATE, 1))
     ]
-    cases.append(("bf16 masters, Muon", Case(stage=2, mode="bf16", micro=4, keep=KEEP, extra={**BF16_MASTER, **MUON}), 4))
+    muon = Case(stage=2, mode="bf16", micro=4, keep=KEEP, extra={**BF16_MASTER, **MUON})
+    cases.append(("bf16 masters, Muon", muon, 4))
     if world_size == 1:  # world 2 is test_muon_with_offload_equals_no_offload
         cases += [("fp32 Muon", Case(stage=s, micro=4, keep=KEEP, extra=MUON), 4) for s in (1, 2, 3)]
     return cases
@@ -212,7 +213,7 @@ def test_bf16_master_weights_and_muon_with_offload(dist_pool, world_size):
         for step in range(case.steps):
             for name, value in off["master"][step].items():
                 torch.testing.assert_close(value.float(), none["master"][step][name].float(), **tol,
-                                           msg=lambda m, n=name, s=step: f"{where} step {s + 1} {n}: {m}")
+                                           msg=lambda m, n=name, s=step, w=where: f"{w} step {s + 1} {n}: {m}")
 
 
 def test_gathered_parameters_modifier_writes_the_host_master(dist_pool):
@@ -238,7 +239,7 @@ def test_other_precision_modes_with_offload(dist_pool):
     modes = ("fp16", "autocast_bf16", "bf16_accum_bf16")
     cases = [(Case(stage=s, mode=m, micro=4, ga=1, keep=KEEP), 4) for m in modes for s in (1, 2, 3)]
     results = dist_pool(2).run(offload_vs_none, cases, timeout=600)[0]
-    for (case, k), result in zip(cases, results, strict=True):
+    for (case, _k), result in zip(cases, results, strict=True):
         none, off = result["none"], result["offload"]
         assert off["norms"] == none["norms"], f"{case.label}: norms {off['norms']} vs {none['norms']}"
         for step in range(case.steps):

@@ -45,7 +45,9 @@ def _equal_named(a: dict, b: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def overflow_results(dist_pool):
-    cases = [Case(stage=stage, mode=mode, steps=STEPS, keep=()) for mode in ("fp16", "bf16", "fp32") for stage in STAGES]
+    cases = [
+        Case(stage=stage, mode=mode, steps=STEPS, keep=()) for mode in ("fp16", "bf16", "fp32") for stage in STAGES
+    ]
     cases += [Case(stage=stage, mode="autocast_bf16", steps=STEPS, keep=()) for stage in (0, 3)]
     return cases, dist_pool(2).run(overflow_run, cases, BAD_STEPS, BAD_RANK, timeout=TIMEOUT_S)
 

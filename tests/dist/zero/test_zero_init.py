@@ -113,8 +113,8 @@ def test_fp32_adapter_attached_to_an_init_built_bf16_base_trains(runs) -> None:
     adapters (in their own dtype, fp32), the adapter gets a non-zero gradient and the step moves
     it. The gradient is checked against plain torch on the values the engine computed with,
     under the same bf16 autocast (tolerance 2e-2, relative to the largest entry: bf16 matmuls
-    summed in another order, an fp32 reduction of two equal halves). zeroshard computes with the adapter in bf16 (the bf16 section's dtype)
-    where DeepSpeed keeps it fp32: a difference the migration guide lists."""
+    summed in another order, an fp32 reduction of two equal halves). zeroshard computes with the
+    adapter in bf16 (the bf16 section's dtype) where DeepSpeed keeps it fp32: a difference the migration guide lists."""
     from tests.dist.scenarios.zero_init import MixedDtypeAdapterModule
 
     for out in runs["adapter"]:
