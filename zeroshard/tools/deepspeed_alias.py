@@ -7,7 +7,9 @@ distribution that answers all three: a package `deepspeed/` whose `__init__` mak
 the zeroshard module itself (zeroshard/tools/deepspeed_finder.py maps every `deepspeed.X.Y` to
 `zeroshard.X.Y`), and a `.dist-info` with METADATA (version `0.19.8+zeroshard`, the DeepSpeed
 release whose API zeroshard matches, so the integrations' version checks pass), RECORD,
-INSTALLER and top_level.txt, so that `pip uninstall deepspeed` removes it like any package.
+INSTALLER, top_level.txt and entry_points.txt, so that `pip uninstall deepspeed` removes it like
+any package. It also installs the `deepspeed` command (zeroshard/tools/deepspeed_command.py:
+DeepSpeed's launcher on one node, zeroshard/launch/deepspeed_launcher.py), listed in RECORD.
 
 The files are generated here rather than kept as a folder of package data: they are two lines
 of code and metadata whose RECORD must hash what was written, and a module string ships with
@@ -24,6 +26,8 @@ import shutil
 import sys
 import sysconfig
 from pathlib import Path
+
+from zeroshard.tools import deepspeed_command
 
 DISTRIBUTION = "deepspeed"
 # DeepSpeed's release whose API zeroshard follows; `+zeroshard` marks the alias (a local version
@@ -63,14 +67,25 @@ def default_target() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
 
-def install(target: str | Path | None = None) -> Path:
+def install(target: str | Path | None = None, scripts: str | Path | None = None) -> Path:
     """Install the alias into `target` (default: site-packages); returns its `deepspeed/` folder.
 
+    Also writes the `deepspeed` command (zeroshard/tools/deepspeed_command.py) into `scripts`
+    (default: `target/bin` for an explicit target, else this environment's scripts folder).
     Reinstalling over the alias replaces it. Raises AliasError when a real DeepSpeed is installed
-    there or anywhere on sys.path.
+    there or anywhere on sys.path, or a `deepspeed` command that is not ours is in `scripts`.
     """
+    explicit = target is not None
     target = Path(target) if target is not None else default_target()
+    scripts = Path(scripts) if scripts is not None else deepspeed_command.scripts_dir(target if explicit else None)
     _refuse_real_deepspeed(target)
+    foreign = deepspeed_command.foreign_script(scripts)
+    if foreign is not None:
+        raise AliasError(
+            f"{foreign} exists and is not the zeroshard alias's command (DeepSpeed's own launcher or another "
+            "program); remove it (`pip uninstall deepspeed` if it is DeepSpeed's), then run "
+            "`zeroshard install-deepspeed-alias` again."
+        )
     if _own_dist_info(target) is not None:
         uninstall(target)
     package = target / DISTRIBUTION
@@ -82,13 +97,18 @@ def install(target: str | Path | None = None) -> Path:
         dist_info / "METADATA": METADATA,
         dist_info / "INSTALLER": "zeroshard\n",
         dist_info / "top_level.txt": f"{DISTRIBUTION}\n",
+        dist_info / "entry_points.txt": deepspeed_command.ENTRY_POINTS_TXT,
     }
-    rows = []
+    written = []
     for path, text in files.items():
         data = text.encode("utf-8")
         path.write_bytes(data)
+        written.append((path, data))
+    written.append(deepspeed_command.write_script(scripts, sys.executable))
+    rows = []
+    for path, data in written:
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode("ascii")
-        rows.append(f"{path.relative_to(target).as_posix()},sha256={digest},{len(data)}")
+        rows.append(f"{deepspeed_command.record_path(path, target)},sha256={digest},{len(data)}")
     rows.append(f"{DIST_INFO}/RECORD,,")
     (dist_info / "RECORD").write_text("\n".join(rows) + "\n", encoding="utf-8")
     importlib.invalidate_caches()
@@ -111,10 +131,12 @@ def uninstall(target: str | Path | None = None) -> bool:
         return False
     for row in (dist_info / "RECORD").read_text(encoding="utf-8").splitlines():
         relative = row.split(",")[0]
-        if relative:
-            (target / relative).unlink(missing_ok=True)
+        path = target / relative
+        # The command lies outside `target` (`../../../bin/deepspeed`); remove only ours.
+        if relative and (not relative.startswith("../") or deepspeed_command.is_ours(path)):
+            path.unlink(missing_ok=True)
     shutil.rmtree(target / DISTRIBUTION / "__pycache__", ignore_errors=True)
-    for folder in (target / DISTRIBUTION, dist_info):
+    for folder in (target / DISTRIBUTION, dist_info, target / "bin"):  # bin: the command's, with --target
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
     importlib.invalidate_caches()

@@ -40,7 +40,7 @@ def _fake_dist(target: Path, version: str) -> None:
 
 def test_install_writes_a_distribution_whose_record_matches_the_files(tmp_path: Path) -> None:
     assert main(["install-deepspeed-alias", "--target", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["deepspeed", DIST_INFO])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["bin", "deepspeed", DIST_INFO])
     assert DIST_INFO == "deepspeed-0.19.8+zeroshard.dist-info"
     info = tmp_path / DIST_INFO
     assert (info / "top_level.txt").read_text() == "deepspeed\n"
@@ -99,20 +99,26 @@ def test_default_target_is_this_environments_site_packages() -> None:
 
 def test_pip_uninstall_deepspeed_removes_the_alias(tmp_path: Path) -> None:
     """pip removes only what lies inside its environment: a bare venv (no pip of its own, none
-    downloaded) runs the pip of this one, with the alias in the venv's site-packages."""
+    downloaded) runs the pip of this one, with the alias in the venv's site-packages and the
+    `deepspeed` command in its bin/ (RECORD names it `../../../bin/deepspeed`)."""
     import pip
 
     venv.create(tmp_path / "env", with_pip=False)
     env_python = tmp_path / "env" / "bin" / "python"
     purelib = subprocess.run([env_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    install(purelib)
+    install(purelib, scripts=tmp_path / "env" / "bin")
+    command = tmp_path / "env" / "bin" / "deepspeed"
+    assert os.access(command, os.X_OK)
+    rows = (Path(purelib) / DIST_INFO / "RECORD").read_text().splitlines()
+    assert any(row.startswith("../../../bin/deepspeed,sha256=") for row in rows), rows
     pip_dir = Path(pip.__file__).parent
     result = subprocess.run([env_python, str(pip_dir), "uninstall", "-y", "deepspeed"], capture_output=True,
                             text=True, timeout=120, env=dict(os.environ, PIP_NO_INPUT="1", PYTHONPATH=""))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Successfully uninstalled deepspeed-0.19.8+zeroshard" in result.stdout, result.stdout
     assert not (Path(purelib) / "deepspeed").exists() and not (Path(purelib) / DIST_INFO).exists()
+    assert not command.exists()
     assert VERSION.endswith("+zeroshard")
 
 
