@@ -11,11 +11,13 @@ import os
 import shlex
 import socket
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from zeroshard.tools.deepspeed_alias import install
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = "examples/deepspeed_command.py"
@@ -54,9 +56,7 @@ def test_the_docs_deepspeed_line_trains_two_ranks_like_one_fp32_process(tmp_path
     assert f"$ {DOC_LINE}\n" in doc, "docs/launching.md no longer shows the line this test runs"
     target, out = tmp_path / "alias", tmp_path / "out"
     out.mkdir()
-    installed = subprocess.run([sys.executable, "-m", "zeroshard", "install-deepspeed-alias", "--target", str(target)],
-                               cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
-    assert installed.returncode == 0, installed.stderr
+    install(target)  # `zeroshard install-deepspeed-alias --target DIR` (its CLI: tests/unit/tools)
     words = shlex.split(DOC_LINE)
     command = [str(target / "bin" / "deepspeed"), "--master_port", str(_free_port()), *words[1:], "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
@@ -73,3 +73,20 @@ def test_the_docs_deepspeed_line_trains_two_ranks_like_one_fp32_process(tmp_path
         # different summation order than one backward over the batch: ~1e-7 relative.
         torch.testing.assert_close(torch.tensor(ranks[r]["losses"]), torch.tensor(expected[r]),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_failing_rank_ends_the_others_and_the_command_fails(tmp_path):
+    """Rank 1 exits 3 at once; rank 0 would sleep a minute: torchrun stops it and exits non-zero."""
+    target = tmp_path / "alias"
+    install(target)
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(PYTHONPATH=os.pathsep.join([str(target), str(ROOT)]), OMP_NUM_THREADS="1")
+    command = [str(target / "bin" / "deepspeed"), "-q", "--master_port", str(_free_port()), "--num_gpus", "2",
+               str(script)]
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "exitcode  : 3" in result.stderr, result.stderr[-3000:]  # torchrun's report names rank 1's status
+    assert time.monotonic() - start < 45  # rank 0 did not sleep its minute out
