@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "install-deepspeed-alias",
         help="make `import deepspeed` give zeroshard in this environment (for the Trainer, Accelerate, TRL)",
         description="Install a distribution named `deepspeed` (version 0.19.8+zeroshard) whose modules are "
-        "zeroshard's, so Hugging Face transformers, Accelerate and TRL find and drive zeroshard. Refuses when a "
+        "zeroshard's, so Hugging Face transformers, Accelerate and TRL find and drive zeroshard, and the `deepspeed` "
+        "launcher command (one node, through torchrun). Refuses when a "
         "real DeepSpeed is installed. Undo with --uninstall (or `pip uninstall deepspeed`).",
     )
     alias.add_argument("--target", metavar="DIR", help="install into DIR instead of this environment's site-packages")
