@@ -8,7 +8,8 @@ devices as DeepSpeed does: every visible GPU, the first N with `--num_gpus N`, o
 CUDA_VISIBLE_DEVICES; CUDA_VISIBLE_DEVICES set by the user acts as `--include` when none of
 those flags is given. Without GPUs one process runs, unless `--num_gpus` says how many.
 
-torchrun then runs one process per device (its agent forwards SIGTERM to the workers, which
+The command then becomes torchrun (exec, same process id), which runs one process per device
+(its agent forwards SIGTERM to the workers, which
 zeroshard's preemption handling relies on, ends every rank when one fails, and returns non-zero
 then), each through zeroshard/launch/deepspeed_rank.py, which appends `--local_rank=<n>` to the
 script's arguments as DeepSpeed's per-node launcher does. The environment holds what DeepSpeed's
@@ -29,12 +30,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
-import subprocess
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 # DeepSpeed's defaults (deepspeed/launcher/runner.py, deepspeed/constants.py).
 DLTS_HOSTFILE = "/job/hostfile"
@@ -45,8 +45,6 @@ LOOPBACK = "127.0.0.1"
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 EXIT_USAGE = 2
 PROG = "deepspeed"
-# The signals torchrun's agent turns into a shutdown of its workers with the same signal.
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 NO_EFFECT_FLAGS = ("--save_pid", "--enable_each_rank_log", "--bind_cores_to_rank", "--bind_core_list")
 MULTI_NODE_FIX = (
     "zeroshard's `deepspeed` command runs one node. For several nodes run `torchrun --nnodes N "
@@ -280,26 +278,19 @@ def physical_gpu_count() -> int:
             os.environ[VISIBLE_DEVICES] = saved
 
 
-def run(launch: Launch) -> int:
-    """Run torchrun in its own session and pass it each stop signal once (a terminal's Ctrl-C
-    reaches only this process then, not both); its exit status is returned."""
-    process = subprocess.Popen(launch.command, env=launch.env, start_new_session=True)
-    previous = {}
-
-    def forward(signum: int, frame: object) -> None:
-        process.send_signal(signum)
-
-    for signum in FORWARDED_SIGNALS:
-        previous[signum] = signal.signal(signum, forward)
-    try:
-        return process.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+def run(launch: Launch) -> NoReturn:
+    """Become torchrun (exec: same process id). A signal sent to the `deepspeed` command then
+    reaches torchrun once, which passes it to every rank, and the command's exit status is
+    torchrun's; a launcher process in between would either not forward signals or, under a
+    scheduler that signals every process of the job, deliver them twice."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(launch.command[0], launch.command, launch.env)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `deepspeed` command: launch, or exit 2 with one message saying what to change."""
+    """The `deepspeed` command: exit 2 with one message saying what to change, or become torchrun
+    (this process runs the training and does not return)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     level = "error" if args.quiet else args.log_level
     try:
@@ -315,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if level in ("debug", "info", "warning"):
         for warning in launch.warnings:
             print(f"[{PROG} (zeroshard)] warning: {warning}", file=sys.stderr)
-    return run(launch)
+    run(launch)
 
 
 if __name__ == "__main__":

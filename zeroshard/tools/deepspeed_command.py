@@ -24,10 +24,20 @@ def scripts_dir(target: Path | None) -> Path:
     return target / "bin" if target is not None else Path(sysconfig.get_path("scripts"))
 
 
+def shebang(python: str) -> str:
+    """`#!python`, or, where the kernel cannot take that line (a space in the path, or longer than
+    Linux's 127 bytes), `/bin/sh` running the file with python: the form pip's script maker
+    writes then, whose second and third lines are a string statement to Python."""
+    if " " not in python and len(python.encode()) + 2 <= 127:
+        return f"#!{python}\n"
+    quoted = python.replace("'", "'\"'\"'")
+    return "#!/bin/sh\n" + "'''exec' '" + quoted + "' \"$0\" \"$@\"\n" + "' '''\n"
+
+
 def script_text(python: str) -> str:
     module, _, function = ENTRY_POINT.partition(":")
     return (
-        f"#!{python}\n"
+        shebang(python) +
         f"{MARKER} (`zeroshard install-deepspeed-alias`; undo with `--uninstall` or `pip uninstall deepspeed`)\n"
         "import sys\n\n"
         f"from {module} import {function}\n\n"
@@ -37,10 +47,11 @@ def script_text(python: str) -> str:
 
 
 def is_ours(path: Path) -> bool:
+    """Whether `path` is our command: MARKER on one of its first lines (after the `#!` line, or
+    after the three lines of the `/bin/sh` form)."""
     try:
         with path.open(encoding="utf-8", errors="replace") as handle:
-            handle.readline()
-            return handle.readline().startswith(MARKER)
+            return any(handle.readline().startswith(MARKER) for _ in range(4))
     except OSError:
         return False
 

@@ -9,6 +9,7 @@ ranks' gradients, which is the gradient of the whole batch's mean loss, the slic
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import time
@@ -75,18 +76,41 @@ def test_the_docs_deepspeed_line_trains_two_ranks_like_one_fp32_process(tmp_path
                                    rtol=1e-5, atol=1e-6)
 
 
+FAIL_SCRIPT = """
+import os, signal, sys, time
+out = sys.argv[-1]
+if os.environ["RANK"] == "0":
+    def stopped(signum, frame):
+        open(os.path.join(out, "rank0_signal"), "w").write(str(signum))
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stopped)
+    open(os.path.join(out, "rank0_parent"), "w").write(str(os.getppid()))
+    time.sleep(60)
+else:
+    while not os.path.exists(os.path.join(out, "rank0_parent")):
+        time.sleep(0.05)
+    sys.exit(3)
+"""
+
+
 def test_a_failing_rank_ends_the_others_and_the_command_fails(tmp_path):
-    """Rank 1 exits 3 at once; rank 0 would sleep a minute: torchrun stops it and exits non-zero."""
+    """Rank 1 exits 3 once rank 0 is up; rank 0 would sleep a minute. The `deepspeed` process is
+    torchrun itself (the ranks' parent), so a signal sent to it reaches torchrun, and torchrun
+    ends rank 0 with SIGTERM (what zeroshard's preemption handler receives) and exits non-zero."""
     target = tmp_path / "alias"
     install(target)
     script = tmp_path / "fail.py"
-    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
+    script.write_text(FAIL_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env.update(PYTHONPATH=os.pathsep.join([str(target), str(ROOT)]), OMP_NUM_THREADS="1")
     command = [str(target / "bin" / "deepspeed"), "-q", "--master_port", str(_free_port()), "--num_gpus", "2",
-               str(script)]
+               "--no_local_rank", str(script), str(tmp_path)]
     start = time.monotonic()
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert "exitcode  : 3" in result.stderr, result.stderr[-3000:]  # torchrun's report names rank 1's status
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "exitcode  : 3" in stderr, stderr[-3000:]  # torchrun's report names rank 1's status
     assert time.monotonic() - start < 45  # rank 0 did not sleep its minute out
+    assert int((tmp_path / "rank0_parent").read_text()) == process.pid
+    assert (tmp_path / "rank0_signal").read_text() == str(int(signal.SIGTERM))

@@ -37,12 +37,7 @@ def test_target_install_writes_an_executable_command_listed_in_record(tmp_path: 
     entry_points = configparser.ConfigParser()
     entry_points.read(tmp_path / DIST_INFO / "entry_points.txt")
     assert dict(entry_points["console_scripts"]) == {"deepspeed": "zeroshard.launch.deepspeed_launcher:main"}
-    # It runs: DeepSpeed's usage line and flags, from zeroshard's launcher.
-    result = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)])))
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: deepspeed [-h] [-H HOSTFILE] [-i INCLUDE]")
-    assert "--num_gpus NUM_GPUS, --num_accelerators NUM_GPUS" in result.stdout
+    # It runs a launch: tests/dist/launch/test_deepspeed_command.py; `--help` below.
 
 
 def test_uninstall_removes_the_command_and_its_folder(tmp_path: Path) -> None:
@@ -72,3 +67,23 @@ def test_the_default_place_is_this_environments_scripts_folder(tmp_path: Path) -
     assert deepspeed_command.scripts_dir(None) == Path(sysconfig.get_path("scripts"))
     site = tmp_path / "env" / "lib" / "python3.11" / "site-packages"
     assert deepspeed_command.record_path(tmp_path / "env" / "bin" / "deepspeed", site) == "../../../bin/deepspeed"
+
+
+def test_a_python_path_the_kernel_cannot_take_gets_the_sh_form(tmp_path: Path) -> None:
+    """A space in the interpreter's path: `/bin/sh` starts python on the file, whose next lines
+    are a string to Python; the command runs and is still recognised as ours."""
+    folder = tmp_path / "my env"
+    folder.mkdir()
+    python = folder / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    command, _ = deepspeed_command.write_script(tmp_path / "bin", str(python))
+    assert command.read_text().startswith("#!/bin/sh\n'''exec' '")
+    assert deepspeed_command.is_ours(command)
+    assert deepspeed_command.shebang("/usr/bin/python3") == "#!/usr/bin/python3\n"
+    assert deepspeed_command.shebang("/" + "p" * 130).startswith("#!/bin/sh\n")
+    result = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: deepspeed [-h] [-H HOSTFILE] [-i INCLUDE]")
+    assert "--num_gpus NUM_GPUS, --num_accelerators NUM_GPUS" in result.stdout
