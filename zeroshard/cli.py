@@ -154,7 +154,7 @@ def _run_install_deepspeed_alias(args: argparse.Namespace) -> int:
             removed = uninstall(target)
             print(f"removed the deepspeed alias from {target}" if removed else f"no deepspeed alias in {target}")
         else:
-            package = install(target)
+            package = install(args.target)  # None: the command goes to this environment's scripts folder
             print(f"installed deepspeed {VERSION} (zeroshard) at {package}")
     except (AliasError, OSError) as exc:
         print(f"zeroshard install-deepspeed-alias: {exc}", file=sys.stderr)

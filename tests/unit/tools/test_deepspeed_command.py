@@ -87,3 +87,14 @@ def test_a_python_path_the_kernel_cannot_take_gets_the_sh_form(tmp_path: Path) -
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: deepspeed [-h] [-H HOSTFILE] [-i INCLUDE]")
     assert "--num_gpus NUM_GPUS, --num_accelerators NUM_GPUS" in result.stdout
+
+
+def test_without_target_the_cli_installs_the_command_into_this_environments_scripts(monkeypatch) -> None:
+    """`zeroshard install-deepspeed-alias` (no --target) must not put the command in site-packages/bin."""
+    from zeroshard.cli import main
+    from zeroshard.tools import deepspeed_alias
+
+    calls = []
+    monkeypatch.setattr(deepspeed_alias, "install", lambda target=None, scripts=None: calls.append(target) or Path("x"))
+    assert main(["install-deepspeed-alias"]) == 0
+    assert calls == [None]
