@@ -13,6 +13,7 @@ from zeroshard.comm import collectives
 from zeroshard.comm.deepspeed_api import init_distributed  # DeepSpeed's: deepspeed.init_distributed is deepspeed.comm's
 from zeroshard.config.error import DeepSpeedConfigError
 from zeroshard.launch.arguments import add_config_arguments
+from zeroshard.launch.distributed import release_default_group_arguments
 
 __version__ = "0.1.0"
 
@@ -78,6 +79,9 @@ def initialize(
         # Before the config is resolved (the batch triangle needs the world size): the
         # timeout is read from the raw config here and validated with the rest below.
         init_distributed(timeout=requested_collective_timeout_s(raw))
+    # A group made before zeroshard (the user's, Accelerate's, Ray's) must still be freed by its
+    # destroy_process_group: [Note: process-group lifetime] in zeroshard/launch/distributed.py.
+    release_default_group_arguments()
     if mesh_param is not None:
         raw = _with_mesh(raw, mesh_param, mpu, collectives.world_size())
     mpu_sp = None if mpu is None else mpu.get_sequence_parallel_world_size()

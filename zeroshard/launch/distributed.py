@@ -18,11 +18,15 @@ joins its worker threads (with the GIL released), so the group must be gone firs
 - `destroy_process_group` frees the group only if nothing else references it. torch's own
   `torch.distributed.nn.functional` captures `group.WORLD` in its default arguments when it
   is first imported, and torch imports it lazily (the first optimizer imports torch._dynamo,
-  which imports FSDP, which imports it), i.e. after the group exists: the group then
-  outlives `destroy_process_group` and its threads live into finalization. Importing that
-  module here, with zeroshard, before any group exists leaves its defaults at None; and
-  zeroshard itself holds groups only through weak references (`comm.Group.handle_ref`), so
-  an engine still alive at exit does not keep them.
+  which imports FSDP, which imports it), often after the group exists: the group then
+  outlives `destroy_process_group` and its threads live into finalization (ten references,
+  one per collective; a group made by the user, Accelerate or Ray before `initialize` hit
+  this, and CI's preinitialized-group run aborted at exit). `release_default_group_arguments`
+  imports that module and puts None (which those functions read as the default group, as
+  when the module is imported before any group exists) where a default holds a group; it
+  runs at `import zeroshard`, at `initialize` and before zeroshard's atexit destroy, and a
+  later import finds the module already loaded. zeroshard itself holds groups only through
+  weak references (`comm.Group.handle_ref`), so an engine still alive at exit does not keep them.
 """
 
 from __future__ import annotations
@@ -40,9 +44,23 @@ from zeroshard.comm.faults import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.launch.device import binds_device_id, cuda_device_index, uses_nccl
 from zeroshard.launch.launchers import discover_launch, export_launch
 
-if dist.is_available() and not dist.is_initialized():
-    # Before any group exists: see [Note: process-group lifetime].
-    import torch.distributed.nn.functional  # noqa: F401
+
+def release_default_group_arguments() -> None:
+    """No default argument of `torch.distributed.nn.functional` holds a process group
+    ([Note: process-group lifetime])."""
+    if not dist.is_available():
+        return
+    import torch.distributed.nn.functional as functional
+
+    for fn in vars(functional).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if getattr(fn, "__module__", None) != functional.__name__ or not defaults:
+            continue
+        if any(isinstance(value, dist.ProcessGroup) for value in defaults):
+            fn.__defaults__ = tuple(None if isinstance(value, dist.ProcessGroup) else value for value in defaults)
+
+
+release_default_group_arguments()
 
 
 def default_backend() -> str:
@@ -90,6 +108,7 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | float
 def _destroy_if_initialized() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
+    release_default_group_arguments()
     world = dist.group.WORLD
     gloo = dist.get_backend() == "gloo"
     dist.destroy_process_group()

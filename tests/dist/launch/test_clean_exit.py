@@ -90,3 +90,59 @@ def test_exit_teardown_joins_the_group_threads_or_warns_why_not():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stdout.split("\n")[:2] == ["freed True", "held True 1 True"], result.stdout + result.stderr
+
+
+_USER_GROUP_CHECK = """
+import gc, os, weakref
+import torch
+import torch.distributed as dist
+
+def gloo_workers():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+        except FileNotFoundError:
+            pass
+    return names.count("pt_gloo_runloop")
+
+# The group is the user's (Ray's, Accelerate's), made before zeroshard is imported, and torch's
+# lazily imported collectives module is loaded while it exists (as a torch optimizer made here
+# would load it), so its default arguments capture group.WORLD.
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["MASTER_PORT"], rank=0, world_size=1)
+import torch.distributed.nn.functional  # noqa: F401
+import zeroshard
+
+model = torch.nn.Linear(4, 4)
+engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), dist_init_required=False,
+    config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2}})
+engine.backward(engine(torch.randn(2, 4)).sum())
+engine.step()
+world = weakref.ref(dist.group.WORLD)
+print("workers while training", gloo_workers())
+dist.destroy_process_group()  # the owner's destroy, the engine still alive
+gc.collect()
+print("freed", world() is None, "workers", gloo_workers())
+"""
+
+
+def test_a_group_made_before_zeroshard_is_freed_by_its_owners_destroy():
+    """`destroy_process_group` on a group zeroshard did not make frees it and joins its gloo
+    workers (so none lives into interpreter shutdown, where it can abort the process), even
+    when torch.distributed.nn.functional was imported while the group existed: its default
+    arguments held the group (ten references), which aborted CI's preinitialized-group run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, "-c", _USER_GROUP_CHECK], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("workers while training ") and int(lines[0].split()[-1]) > 0, result.stdout
+    assert lines[1] == "freed True workers 0", result.stdout + result.stderr[-2000:]
