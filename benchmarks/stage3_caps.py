@@ -105,6 +105,9 @@ def worker(args) -> None:
         "gathers_per_step": statistics.median(gathers), "step_s_median": statistics.median(times),
     }
     Path(args.out).write_text(json.dumps(out))
+    # The group is this script's: freed here, its gloo threads do not live into interpreter
+    # shutdown ([Note: process-group lifetime] in zeroshard/launch/distributed.py).
+    dist.destroy_process_group()
 
 
 def main() -> None:

@@ -52,6 +52,7 @@ def build_with_a_stray_sync(case):
 syncs.build_engine = build_with_a_stray_sync
 stray = syncs.steady_state_syncs(0)
 print("RESULT " + json.dumps({"clean": clean, "stray": stray}, default=str))
+dist.destroy_process_group()  # this script's group: freed before interpreter shutdown
 """
 
 
