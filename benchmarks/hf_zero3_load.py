@@ -28,54 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from host_memory import PeakSampler, rss, spawn_ranks
+
 RESULTS = Path(__file__).resolve().parent / "results"
-PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 2**20
 STAGE3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
-
-
-def _rss() -> tuple[int, int]:
-    """(resident bytes, anonymous resident bytes: resident minus file-backed/shared)."""
-    with open("/proc/self/statm") as f:
-        fields = f.read().split()
-    resident, shared = int(fields[1]) * PAGE, int(fields[2]) * PAGE
-    return resident, resident - shared
-
-
-class PeakSampler:
-    """The highest RSS (and anonymous RSS) seen between start() and stop()."""
-
-    def __init__(self, interval_s: float = 0.001) -> None:
-        self.interval_s = interval_s
-        self.peak = self.peak_anon = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        resident, anon = _rss()
-        self.peak, self.peak_anon = max(self.peak, resident), max(self.peak_anon, anon)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            time.sleep(self.interval_s)
-
-    def start(self) -> PeakSampler:
-        self._sample()
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
 
 
 def llama_config(hidden: int, layers: int, vocab: int):
@@ -107,25 +69,25 @@ def worker(rank: int, world: int, port: int, variant: str, path: str, alias: str
         keep_alive = HfDeepSpeedConfig(STAGE3)
         assert is_deepspeed_zero3_enabled()
     dist.barrier()
-    before, before_anon = _rss()
+    before, before_anon = rss()
     sampler = PeakSampler().start()
     start = time.perf_counter()
     model = LlamaForCausalLM.from_pretrained(path)
     seconds = time.perf_counter() - start
     sampler.stop()
-    after, after_anon = _rss()
+    after, after_anon = rss()
     # Read every value once (a forward would): a plain load's memory-mapped pages become resident.
     touch = PeakSampler().start()
     with torch.no_grad():
         for p in model.parameters():
             (p.ds_tensor if getattr(p, "ds_tensor", None) is not None else p).sum()
     touch.stop()
-    touched, touched_anon = _rss()
+    touched, touched_anon = rss()
     # Then what training starts with: initialize at stage 3 (the engine's flats and shards).
     init = PeakSampler().start()
     engine, *_ = zeroshard.initialize(model=model, config=STAGE3)
     init.stop()
-    engine_held, engine_anon = _rss()
+    engine_held, engine_anon = rss()
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     largest = max(sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False))
                   for m in model.modules())
@@ -141,27 +103,8 @@ def worker(rank: int, world: int, port: int, variant: str, path: str, alias: str
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(variant: str, world: int, path: str, alias: str) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, variant, path, alias, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = [queue.get(timeout=1200) for _ in procs]
-    for p in procs:
-        p.join(timeout=120)
-        if p.exitcode != 0:
-            raise RuntimeError(f"{variant}: a worker exited with {p.exitcode}")
-    return sorted(rows, key=lambda r: r["rank"])
+    return spawn_ranks(worker, world, (variant, path, alias), variant, timeout_s=1200)
 
 
 def main() -> None:

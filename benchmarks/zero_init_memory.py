@@ -22,45 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import threading
-import time
 from pathlib import Path
 
+from host_memory import PeakSampler, rss, spawn_ranks
+
 RESULTS = Path(__file__).resolve().parent / "results"
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-class PeakSampler:
-    """The highest RSS seen between start() and stop(), sampled every `interval_s`."""
-
-    def __init__(self, interval_s: float = 0.001) -> None:
-        self.interval_s = interval_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(self.interval_s)
-
-    def start(self) -> PeakSampler:
-        self.peak = _rss()
-        self._thread.start()
-        return self
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-        return self.peak
-
 
 def build_model(blocks: int, dim: int):
     import torch
@@ -103,7 +69,7 @@ def worker(rank: int, world: int, port: int, variant: str, blocks: int, dim: int
     dist.init_process_group("gloo")
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     dist.barrier()
-    before = _rss()
+    before = rss()[0]
     sampler = PeakSampler().start()
     if variant == "init":
         with zeroshard.zero.Init(config_dict_or_path=config):
@@ -111,7 +77,7 @@ def worker(rank: int, world: int, port: int, variant: str, blocks: int, dim: int
     else:
         model = build_model(blocks, dim)
     peak = sampler.stop()
-    after = _rss()
+    after = rss()[0]
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     queue.put({"variant": variant, "rank": rank, "peak_delta": peak - before, "held_delta": after - before,
                "model_bytes": numel * 4, "numel": numel})
@@ -119,27 +85,8 @@ def worker(rank: int, world: int, port: int, variant: str, blocks: int, dim: int
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(variant: str, world: int, blocks: int, dim: int) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, variant, blocks, dim, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = [queue.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(timeout=120)
-        if p.exitcode != 0:
-            raise RuntimeError(f"{variant}: a worker exited with {p.exitcode}")
-    return sorted(rows, key=lambda r: r["rank"])
+    return spawn_ranks(worker, world, (variant, blocks, dim), variant, timeout_s=600)
 
 
 def main() -> None:
