@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -41,24 +39,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # zeroshard from the checkout
 
 import zeroshard  # noqa: E402
+from benchmarks.process_group import init_group_of_one as init_group  # noqa: E402
 from zeroshard.optim.muon import newton_schulz as ns  # noqa: E402
 
 VOCAB = 256
-
-
-def init_group(device: torch.device) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    else:
-        dist.init_process_group("gloo", rank=0, world_size=1)
 
 
 def sync(device: torch.device) -> None:
