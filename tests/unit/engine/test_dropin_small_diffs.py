@@ -3,19 +3,9 @@ in one process: each test names the DeepSpeed test it follows."""
 
 import pytest
 import torch
-from torch import nn
 
 import zeroshard as deepspeed
-
-
-class SimpleModel(nn.Module):
-    def __init__(self, hidden_dim: int = 4) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden_dim, hidden_dim)
-        self.loss = nn.CrossEntropyLoss()
-
-    def forward(self, x, y):
-        return self.loss(self.linear(x), y)
+from tests.unit.engine.test_engine_api_unit import SimpleModel  # DeepSpeed's unit-test model
 
 
 class PlainSGD(torch.optim.Optimizer):
