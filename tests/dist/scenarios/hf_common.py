@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import sys
 from typing import Any
 
@@ -48,3 +49,18 @@ def tiny_llama_config(tie: bool = False, **overrides: Any):
 
 def token_rows(rows: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def reset_trainer_state(task_env: dict[str, str]) -> None:
+    """Between two Trainers in one process. Accelerate keeps one AcceleratorState (and
+    transformers one ZeRO-3 config) per process, as a script with one Trainer would; and an
+    Accelerator with DeepSpeed leaves ACCELERATE_USE_DEEPSPEED=true behind, which would turn the
+    next run without `deepspeed=` into a DeepSpeed run: every ACCELERATE_* variable not in
+    `task_env` (the environment the task started with) goes."""
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    unset_hf_deepspeed_config()
+    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n not in task_env]:
+        del os.environ[name]

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from tests.dist.scenarios.hf_common import reset_trainer_state
+
 STEPS = 4
 
 
@@ -86,17 +88,7 @@ _LAUNCH_ENV = dict(os.environ)
 
 
 def _reset_accelerate() -> None:
-    """One Trainer after another in one process: Accelerate keeps one AcceleratorState (and
-    transformers one ZeRO-3 config) per process, as a script with one Trainer would, and an
-    Accelerator with DeepSpeed leaves ACCELERATE_USE_DEEPSPEED=true in the environment, which
-    would turn the next TrainingArguments without `deepspeed=` into a DeepSpeed run."""
-    from accelerate.state import AcceleratorState
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    unset_hf_deepspeed_config()
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n not in _LAUNCH_ENV]:
-        del os.environ[name]
+    reset_trainer_state(_LAUNCH_ENV)
 
 
 def train(workdir: Path, name: str, deepspeed: dict | None, bf16: bool = False, save_steps: int | None = None,

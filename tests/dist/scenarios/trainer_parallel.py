@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from tests.dist.scenarios.hf_common import use_alias
+from tests.dist.scenarios.hf_common import reset_trainer_state, use_alias
 
 STEPS = 3
 
@@ -56,17 +56,9 @@ _TASK_ENV: dict[str, str] = {}
 
 
 def _reset() -> None:
-    from accelerate.state import AcceleratorState
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
     from zeroshard.sequence.ulysses_sp import UlyssesSPAttentionHF
 
-    AcceleratorState._reset_state(reset_partial_state=False)
-    unset_hf_deepspeed_config()
-    # An Accelerator with DeepSpeed leaves ACCELERATE_USE_DEEPSPEED=true behind: the next run
-    # without `deepspeed=` would be a DeepSpeed run. Back to the task's environment.
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n not in _TASK_ENV]:
-        del os.environ[name]
+    reset_trainer_state(_TASK_ENV)
     UlyssesSPAttentionHF.unregister_from_transformers()  # one Trainer with SP after another, in one process
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.dist.scenarios.hf_common import use_alias
+from tests.dist.scenarios.hf_common import reset_trainer_state, use_alias
 
 WORDS = ("the a cat dog bird fish sees likes runs sleeps eats jumps over under near big small red blue green "
          "quick slow happy sad tree house river hill and with on in").split()
@@ -73,15 +73,7 @@ _TASK_ENV: dict[str, str] = {}
 
 
 def _reset() -> None:
-    from accelerate.state import AcceleratorState
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    unset_hf_deepspeed_config()
-    # An Accelerator with DeepSpeed leaves ACCELERATE_USE_DEEPSPEED=true behind: the next run
-    # without `deepspeed=` would be a DeepSpeed run. Back to the task's environment.
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n not in _TASK_ENV]:
-        del os.environ[name]
+    reset_trainer_state(_TASK_ENV)
 
 
 def sft(workdir: str, name: str, deepspeed: dict | None):
