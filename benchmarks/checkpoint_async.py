@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # zeroshard fro
 
 import zeroshard  # noqa: E402
 from zeroshard.checkpoint import async_save  # noqa: E402
-from zeroshard.demo.model import GPT, PRESETS  # noqa: E402
 from zeroshard.demo.train import default_config  # noqa: E402
+from zeroshard.models import GPT, PRESETS  # noqa: E402
 
 
 def build(preset: str, micro: int):

@@ -4,7 +4,7 @@
     python benchmarks/comm_volume.py --world-size 3 --modes fp32,bf16,fp16,autocast
 
 It starts itself under torchrun (gloo on CPU, NCCL on GPUs). Every rank builds the same
-GPT (`zeroshard.demo.model.build_gpt`), and for each stage and precision mode runs one
+GPT (`zeroshard.models.gpt.build_gpt`), and for each stage and precision mode runs one
 optimizer step (one micro-batch) inside `zeroshard.comm.recording()`. Rank 0 prints one
 row per (stage, mode, op, dtype, purpose) and a total per (stage, mode), and writes
 benchmarks/results/comm_volume.json (git-ignored).
@@ -118,7 +118,7 @@ def one_step(model_name: str, mode: str, stage: int, seq_len: int) -> dict:
     import torch
 
     import zeroshard
-    from zeroshard.demo.model import build_gpt
+    from zeroshard.models import build_gpt
 
     torch.manual_seed(0)
     model = build_gpt(model_name)

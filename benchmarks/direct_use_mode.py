@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from zeroshard.demo.model import build_gpt
+from zeroshard.models import build_gpt
 
 
 def _sync(device: torch.device) -> None:

@@ -32,8 +32,8 @@ FIGURES_ON = {
 
 def _engine(model_name: str, extra: dict):
     import zeroshard
-    from zeroshard.demo.model import build_gpt
     from zeroshard.demo.train import default_config
+    from zeroshard.models import build_gpt
 
     torch.manual_seed(0)
     config = {**default_config(total_steps=1000, on_gpu=False), **extra}

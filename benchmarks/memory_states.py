@@ -52,7 +52,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import zeroshard
-    from zeroshard.demo.model import build_gpt
+    from zeroshard.models import build_gpt
     from zeroshard.precision.plan import assign_param_groups
     from zeroshard.sharding.units import plan_units
     from zeroshard.tools.memory import estimate_for_config

@@ -53,7 +53,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
     import zeroshard
-    from zeroshard.demo.model import build_gpt
+    from zeroshard.models import build_gpt
 
     rows = []
     for ep in (int(e) for e in args.ep_sizes.split(",")):

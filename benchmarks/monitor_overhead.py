@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # zeroshard from the checkout
 
 import zeroshard  # noqa: E402
-from zeroshard.demo.model import GPT, PRESETS  # noqa: E402
 from zeroshard.demo.train import default_config  # noqa: E402
+from zeroshard.models import GPT, PRESETS  # noqa: E402
 
 
 def monitor_sections(out_dir: str, wanted: list[str]) -> dict:

@@ -5,7 +5,7 @@ machine's matmul rate it runs (issue 26 item 5).
     python benchmarks/muon_step.py --device cuda --json out.json
 
 Two models, each trained by the engine (world 1, ZeRO-2, clipping 1.0; bf16 on a GPU):
-- "demo": the demo GPT (zeroshard/demo/model.py; `small` on the CPU, `medium` on a GPU);
+- "demo": the demo GPT (zeroshard/models/gpt.py; `small` on the CPU, `medium` on a GPU);
   per-head through the parameter attributes (fused c_attn: 3 x n_head row blocks, the
   attention's c_proj: n_head column blocks), as a custom model sets them;
 - "moe": a Moonlight-like DeepSeek-V3 (MLA without q_lora_rank, 16 routed experts top-2, a
@@ -51,7 +51,7 @@ def sync(device: torch.device) -> None:
 
 
 def demo_model(device: torch.device, per_head: bool) -> torch.nn.Module:
-    from zeroshard.demo.model import build_gpt
+    from zeroshard.models import build_gpt
 
     torch.manual_seed(0)
     model = build_gpt("medium" if device.type == "cuda" else "small")

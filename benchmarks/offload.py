@@ -38,7 +38,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import zeroshard
-    from zeroshard.demo.model import build_gpt
+    from zeroshard.models import build_gpt
 
     zeroshard.init_distributed()
     torch.manual_seed(0)

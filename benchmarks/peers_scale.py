@@ -5,7 +5,7 @@
 Memory comes from zeroshard's own estimator (`zeroshard.tools.memory.estimate_memory`), fed with the
 precision plan the config resolves to and the real units of GPT-shaped models built on the meta
 device (no memory is allocated). Communication uses the same plan's wire dtypes with the stage
-table of DESIGN section 3 (the estimator has no communication function yet):
+table of docs/design.md section 3 (the estimator has no communication function yet):
 
     stage 0    all-reduce of the gradients                      P x reduce bytes
     stage 1    all-reduce of the gradients + all-gather of       P x reduce + P x param bytes
@@ -32,9 +32,9 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 
-from zeroshard.config.resolve import resolve_config  # noqa: E402
-from zeroshard.demo.model import build_gpt  # noqa: E402
+from zeroshard.models import build_gpt  # noqa: E402
 from zeroshard.precision.plan import assign_param_groups, resolve_precision_plan  # noqa: E402
+from zeroshard.resolve import resolve_config  # noqa: E402
 from zeroshard.sharding.units import plan_units  # noqa: E402
 from zeroshard.tools.memory import estimate_for_config  # noqa: E402
 

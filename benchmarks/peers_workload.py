@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.demo.model import GPT, PRESETS, build_gpt
+from zeroshard.models import GPT, PRESETS, build_gpt
 
 MODES = ("fp32", "bf16", "autocast", "fp16")
 LEARNING_RATE = 1e-3
@@ -42,7 +42,7 @@ class Workload:
     """What one benchmark run trains.
 
     Attributes:
-        preset: the demo model preset (`zeroshard.demo.model.PRESETS`).
+        preset: the demo model preset (`zeroshard.models.gpt.PRESETS`).
         world_size: data-parallel ranks W.
         global_batch: sequences per optimizer step over all ranks.
         steps: optimizer steps timed and reported (after `warmup`).

@@ -32,7 +32,7 @@ TAU = 100.0
 
 def _engine(model_name: str, qk_clip: bool):
     import zeroshard
-    from zeroshard.demo.model import build_gpt
+    from zeroshard.models import build_gpt
 
     torch.manual_seed(0)
     params = {"muon_lr": 0.02, "adam_lr": 3e-3}

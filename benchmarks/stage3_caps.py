@@ -45,7 +45,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import zeroshard
-    from zeroshard.demo.model import build_gpt
+    from zeroshard.models import build_gpt
     from zeroshard.sharding.flat import FlatParamGroup
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

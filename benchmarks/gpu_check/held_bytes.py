@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.gpu_check.model_bench import ADAMW
-from zeroshard.demo.model import build_gpt
+from zeroshard.models import build_gpt
 
 
 def live_bytes() -> int:

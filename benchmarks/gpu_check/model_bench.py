@@ -2,7 +2,7 @@
 loop (the ceiling), torch FSDP2 on one device, and zeroshard stages 0-3, plus a bf16 matmul's
 throughput measured here as the reachable peak.
 
-The model is the demo's `1b` preset (zeroshard/demo/model.py: 20 layers, width 2048, 16 heads,
+The model is the demo's `1b` preset (zeroshard/models/gpt.py: 20 layers, width 2048, 16 heads,
 byte vocabulary, SDPA attention), bf16, sequence length 2048; on the CPU the `tiny` preset at
 sequence 64. Every engine trains the same model from the same seed with AdamW and clipping at 1.0:
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.demo.model import GPT, build_gpt
+from zeroshard.models import GPT, build_gpt
 
 H100_BF16_DENSE_TFLOPS = 989.0
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

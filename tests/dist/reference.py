@@ -1,7 +1,7 @@
 """The small test model, its data, and a single-process fp32 reference trainer.
 
 Written with plain torch only, independently of the engine: the engine's results are
-compared with what this file computes (DESIGN section 5, "reference equivalence").
+compared with what this file computes (docs/design.md section 5, "reference equivalence").
 
 The model (`TinyModel`, 1,244 parameters) carries every shape that has broken a ZeRO
 implementation before:
@@ -12,7 +12,7 @@ implementation before:
 - `odd`, a Linear(7, 5): odd sizes, so shards need padding;
 - `unused`, a Linear that forward never calls: its gradient is zero, its unit must still
   complete;
-- repeated `Block`s in an `nn.ModuleList`: each becomes a unit (DESIGN section 3).
+- repeated `Block`s in an `nn.ModuleList`: each becomes a unit (docs/design.md section 3).
 
 Root unit: embed (208) + odd (40) + unused (51) + norm (32) + gain (1) = 332 elements;
 each block: LayerNorm (32) + Linear(16, 16) (272) = 304 elements.
@@ -297,7 +297,7 @@ def reference_train(
         model_seed: the seed of `build_model`.
         loss_terms: the rows of each global batch are split into this many equal parts and
             the loss is the *sum* of the parts' means: the update of several backward
-            calls before one step with gradient_accumulation_steps=1 (DESIGN section 4).
+            calls before one step with gradient_accumulation_steps=1 (docs/design.md section 4).
         device: where the model trains ("cpu" or e.g. "cuda:0"). The weights are drawn on the
             CPU either way (the same initial weights); the result is on the CPU. The GPU check
             runs the reference on the engine's device, so both use the same kernels and the
@@ -305,7 +305,7 @@ def reference_train(
             more than `first_loss`).
 
     Parameters with no gradient (the unused Linear) get a zero gradient before the step, as
-    the engine gives them (DESIGN section 4): AdamW then still applies weight decay to them.
+    the engine gives them (docs/design.md section 4): AdamW then still applies weight decay to them.
     """
     settings = settings or TrainSettings()
     # One thread: this model's matmuls are tiny, and on a busy 2-core machine a second

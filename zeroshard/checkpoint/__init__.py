@@ -1,4 +1,4 @@
-"""Sharded checkpoints (DESIGN section 6): the public functions behind the engine's methods.
+"""Sharded checkpoints (docs/design.md section 6): the public functions behind the engine's methods.
 
 - `save_checkpoint(engine, save_dir, tag, client_state, save_latest)`: every rank writes its
   shards of the master weights and optimizer state (safetensors), rank 0 one JSON index

@@ -44,14 +44,6 @@ def file_mode() -> int:
     return 0o666 & ~current_umask()
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file inside `path` durable (a no-op where unsupported)."""
     try:

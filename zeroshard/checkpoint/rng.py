@@ -119,8 +119,3 @@ def apply_rng_state(state: RngState) -> None:
     np = _numpy()
     if np is not None and state.numpy is not None:
         np.random.set_state(state.numpy)
-
-
-def restore_rng_state(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
-    """Put back what `capture_rng_state` returned; generators it did not save stay as they are."""
-    apply_rng_state(parse_rng_state(tensors, metadata, "RNG state"))

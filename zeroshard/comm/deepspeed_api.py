@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from zeroshard.comm import compat as _compat
 from zeroshard.comm.collectives import Group
-from zeroshard.comm.faults import DEFAULT_COLLECTIVE_TIMEOUT_S
+from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 __all__ = [
     "ReduceOp",

@@ -14,9 +14,6 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-# The default of zeroshard.collective_timeout_s, a config value (the schema imports no component).
-from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S  # noqa: F401 - re-exported
-
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out: a peer stopped, died, or ran other collectives."""

@@ -1,6 +1,6 @@
 """Values the config accepts whose meaning lives in a component, named here so that the
 schema imports no component (zeroshard/config is a leaf; the component rules run in the one
-resolve pass, zeroshard/config/resolve.py). tests/unit/config/test_config_leaf.py checks each
+resolve pass, zeroshard/resolve/rules.py). tests/unit/config/test_config_leaf.py checks each
 list against its component."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The rules across ``zero_optimization``'s offload keys (their sections are in config_sections.py).
+"""The rules across ``zero_optimization``'s offload keys (their sections are in sections.py).
 
 Supported: ``device`` "cpu" (or "none", off), ``pin_memory``, and ``ratio`` 1.0 (the whole
 optimizer step on the host). Refused naming the key: ``device: "nvme"`` (ZeRO-Infinity) and a

@@ -2,7 +2,7 @@
 
 One table: the config validation (zeroshard.config.schema) and `build_optimizer` both check a
 config's parameters here, so nothing the one refuses is accepted by the other. Muon's rules are
-in optim/muon.py (`muon_param_problems`). Outside the optim package so that the config
+in zeroshard/optim/muon/optimizer.py (`muon_param_problems`). Outside the optim package so that the config
 validation can import it without torch.
 """
 

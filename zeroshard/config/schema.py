@@ -2,12 +2,12 @@
 
 The sections' models are in zeroshard/config/sections.py, reading a file (JSON, HJSON) in
 zeroshard/config/file.py; this module holds the whole config's model and the per-key pass
-(``_check_config``). ``zeroshard.config.resolve.resolve_config`` runs it, adds the rules across
+(``_check_config``). ``zeroshard.resolve.rules.resolve_config`` runs it, adds the rules across
 sections and the components' own rules, and is the one way to get a config object (what
 ``initialize`` and ``zeroshard explain`` use). This module imports nothing of zeroshard outside
 zeroshard/config (tests/unit/config/test_config_leaf.py).
 
-Every key a user can write falls in exactly one of three classes (DESIGN section 1):
+Every key a user can write falls in exactly one of three classes (docs/design.md section 1):
 
 * supported: a field of one of the models below, with DeepSpeed 0.19's documented default;
 * accepted, no effect: a tuning or logging knob that changes no result here. It is accepted,
@@ -95,7 +95,7 @@ class ZeroshardExtras(_Section):
 
     Attributes:
         unit_module_classes: dotted or bare class names whose instances become units; None =
-            the automatic rule of DESIGN section 3.
+            the automatic rule of docs/design.md section 3.
         unit_min_params: units smaller than this merge into the root unit.
         shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks
             and replicate across them (zeroshard/sharding/layout.py); None = shard over every rank.
@@ -121,7 +121,7 @@ class ZeroshardExtras(_Section):
 
 class ZeroshardConfig(_Section):
     """A validated, resolved zeroshard config. Build it with
-    ``zeroshard.config.resolve.resolve_config``.
+    ``zeroshard.resolve.rules.resolve_config``.
 
     The batch-size triangle is resolved for the world size given to ``resolve_config`` (so the
     three batch fields are ints afterwards). ``defaults_applied``, ``no_effect_keys``,
@@ -285,7 +285,7 @@ def _resolved(value: Any, name: str) -> Any:
     if value is None:
         raise AttributeError(
             f"this config was only checked key by key, so it has no {name}: "
-            "zeroshard.config.resolve.resolve_config gives the resolved config."
+            "zeroshard.resolve.rules.resolve_config gives the resolved config."
         )
     return value
 

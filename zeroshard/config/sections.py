@@ -1,6 +1,6 @@
 """The sections of a config (zeroshard.config.schema): one pydantic model per DeepSpeed section.
 
-Each section knows its keys in the three classes of DESIGN section 1: its fields (supported;
+Each section knows its keys in the three classes of docs/design.md section 1: its fields (supported;
 those in ``NO_EFFECT`` accepted with no effect), ``NOT_SUPPORTED`` (recognised, refused unless
 inert) and ``ALIASES`` (DeepSpeed's other spellings). Types are strict: a JSON string is never
 read as a number or a boolean. ``zeroshard.config.schema`` walks a raw config through these models.
@@ -35,24 +35,13 @@ from zeroshard.config.choices import SCHEDULER_TYPES
 from zeroshard.config.optimizer_params import NO_EFFECT as OPTIMIZER_NO_EFFECT
 from zeroshard.config.optimizer_params import OPTIMIZER_PARAMS
 from zeroshard.config.optimizer_params import render_problems as optimizer_param_problems
+from zeroshard.config.optimizers import OPTIMIZERS, UNSUPPORTED_OPTIMIZERS
 from zeroshard.config.suggest import did_you_mean
 
 # ---------------------------------------------------------------------------------------------
 # Sections
 # ---------------------------------------------------------------------------------------------
 
-_SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "muon": "Muon"}
-_UNSUPPORTED_OPTIMIZERS = {
-    "adagrad": "Adagrad",
-    "lamb": "Lamb",
-    "onebitadam": "OneBitAdam",
-    "zerooneadam": "ZeroOneAdam",
-    "onebitlamb": "OneBitLamb",
-    "lion": "Lion",
-    "muadam": "MuAdam",
-    "muadamw": "MuAdamW",
-    "musgd": "MuSGD",
-}
 class OptimizerConfig(_Section):
     """``optimizer``: the optimizer the engine builds when the user passes none.
 
@@ -71,21 +60,19 @@ class OptimizerConfig(_Section):
     @classmethod
     def _known_type(cls, value: str) -> str:
         key = value.lower()
-        if key in _SUPPORTED_OPTIMIZERS:
+        supported = [kind.name for kind in OPTIMIZERS.values()]
+        if key in OPTIMIZERS:
             return value
-        if key in _UNSUPPORTED_OPTIMIZERS:
+        if key in UNSUPPORTED_OPTIMIZERS:
             raise ValueError(
-                "recognised DeepSpeed optimizer, not supported by zeroshard. "
-                f"Use one of {', '.join(_SUPPORTED_OPTIMIZERS.values())}"
+                f"recognised DeepSpeed optimizer, not supported by zeroshard. Use one of {', '.join(supported)}"
             )
-        raise ValueError(
-            "unknown optimizer type." + did_you_mean(value, _SUPPORTED_OPTIMIZERS.values())
-        )
+        raise ValueError("unknown optimizer type." + did_you_mean(value, supported))
 
     @classmethod
     def check_extra(cls, raw: dict[str, Any], path: str, report: _Report) -> None:
         # Adam/AdamW/SGD parameters by the rules build_optimizer applies (optimizer_params.py);
-        # Muon's are checked by resolve_config (they need optim/muon.py, which needs torch).
+        # Muon's are checked by resolve_config (they need zeroshard/optim/muon/, which needs torch).
         opt_type = raw.get("type")
         params = raw.get("params")
         if not isinstance(opt_type, str) or not isinstance(params, dict):
@@ -122,7 +109,7 @@ class SchedulerConfig(_Section):
             )
         raise ValueError("unknown scheduler type." + did_you_mean(value, SCHEDULER_TYPES))
     # The schedules' parameters are checked by their own rules (zeroshard.optim.schedulers) in
-    # the resolve pass (zeroshard/config/resolve.py).
+    # the resolve pass (zeroshard/resolve/rules.py).
 
 
 class FP16Config(_Section):
@@ -338,7 +325,7 @@ DEFAULT_LEAF_MODULE_CLASSES = (
 
 class LeafModuleConfig(_Section):
     """``zero_optimization.leaf_module``: modules marked as stage-3 leaves at initialize
-    (zeroshard/sharding/leaf_modules.py): by class (bare or dotted name), by module name as
+    (zeroshard/zero/leaf_modules.py): by class (bare or dotted name), by module name as
     ``named_modules`` gives it, or by the end of that name."""
 
     classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))

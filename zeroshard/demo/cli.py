@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 
-import zeroshard
-from zeroshard.demo.model import PRESETS
 from zeroshard.demo.train import DEFAULT_MODEL, DEFAULT_STEPS, RunDirMismatch, add_moe_arguments, check_run_dir
+from zeroshard.models import PRESETS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +55,7 @@ def child_env(nproc: int, on_gpu: bool) -> dict[str, str]:
     """The environment for torchrun: our package importable, and CPU threads shared out."""
     env = dict(os.environ)
     # The child must import this same zeroshard even when it is not installed (a source checkout).
-    package_parent = str(Path(zeroshard.__file__).resolve().parent.parent)
+    package_parent = str(Path(__file__).resolve().parents[2])  # the folder holding the zeroshard package
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     if not on_gpu and "OMP_NUM_THREADS" not in env:
         # Without this each process would start one thread per core and they would fight.

@@ -18,15 +18,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import zeroshard
 from zeroshard.comm import collectives as comm
+from zeroshard.comm.deepspeed_api import init_distributed
 from zeroshard.config.file import read_config_file
-from zeroshard.config.resolve import resolve_config
 from zeroshard.demo.data import DEFAULT_MAX_BYTES, ByteWindows, build_datasets, stdlib_root
-from zeroshard.demo.model import PRESETS, build_gpt
 from zeroshard.demo.monitoring import LOGGED_LOSS_EVENT, csv_folder, with_monitoring, write_report_pngs
 from zeroshard.demo.plot import read_metrics, write_loss_plot
 from zeroshard.demo.progress import ProgressReporter
+from zeroshard.engine.initialize import initialize
+from zeroshard.models import PRESETS, build_gpt
+from zeroshard.resolve import resolve_config
 from zeroshard.sharding.layout import current_layout
 
 DEFAULT_STEPS = 300
@@ -174,7 +175,7 @@ def precision_plan_text(config_path: Path, world_size: int, model: str, plan) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    zeroshard.init_distributed()
+    init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     run_dir = Path(args.run_dir)
     check_run_dir(run_dir, args.model)
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     base_config = read_config_file(config_path) if args.config else default_config(args.steps, on_gpu)
     # csv_monitor into the run dir and the step timers: `zeroshard report`'s PNGs at the end.
     config = with_monitoring(base_config, run_dir)
-    engine, optimizer, loader, scheduler = zeroshard.initialize(
+    engine, optimizer, loader, scheduler = initialize(
         model=model, model_parameters=model.parameters(), config=config, training_data=train_data
     )
     if len(loader) == 0:

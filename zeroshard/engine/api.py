@@ -32,7 +32,7 @@ _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 class _PreScaledLoss(torch.autograd.Function):
     """`loss * scale` whose backward tells the engine that this backward is already scaled.
 
-    The engine applies the loss scale where the gradient enters the model (grad_path.py), so a
+    The engine applies the loss scale where the gradient enters the model (zeroshard/grads/path.py), so a
     plain `loss.backward()` is scaled; a loss that went through `engine.scale` must not be
     scaled there again. Its backward runs first in the graph task (the loss is the root), marks
     the engine's accumulation state as prescaled and queues a callback that clears it when the graph task ends, so the

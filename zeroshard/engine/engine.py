@@ -35,13 +35,11 @@ from zeroshard.precision.loss_scale import make_loss_scaler
 from zeroshard.sharding.layout import ParallelLayout, establish
 from zeroshard.sharding.offload import OffloadPlan, place_layout
 from zeroshard.sharding.registry import ParamRegistry
-from zeroshard.sharding.stages import stage_policy
 from zeroshard.sharding.streams import streams_for
 from zeroshard.step.optimizer_step import OptimizerStep
 
 if TYPE_CHECKING:
     from zeroshard.config.schema import ZeroshardConfig
-    from zeroshard.precision.plan import PrecisionPlan
     from zeroshard.sharding.flat import FlatParamGroup
     from zeroshard.step.optimizer_step import StepResult
 
@@ -55,7 +53,6 @@ class Engine(HFCompat, EngineAPI):
         self,
         model: nn.Module,
         config: ZeroshardConfig,
-        plan: PrecisionPlan,
         optimizer: Any = None,
         model_parameters: Any = None,
         lr_scheduler: Any = None,
@@ -64,8 +61,9 @@ class Engine(HFCompat, EngineAPI):
         layout: ParallelLayout | None = None,
     ) -> None:
         self.config = config
-        self.precision_plan = plan
-        self.policy = stage_policy(config.zero_optimization.stage)
+        # Both resolved once, by the resolve pass (zeroshard/resolve/rules.py), with the config.
+        self.precision_plan = plan = config.precision_plan
+        self.policy = config.stage_policy
         layout = layout if layout is not None else establish(
             config.zeroshard.shard_group_size, config.zeroshard.collective_timeout_s
         )
@@ -247,11 +245,11 @@ class Engine(HFCompat, EngineAPI):
         self._grads.flush()
         if self._grads.params is not None:
             # A unit pinned by a forward no backward followed would keep stale values
-            # after the update (param_schedule.py's [Note: pinned units]).
+            # after the update (zeroshard/sharding/schedule.py's [Note: pinned units]).
             self._grads.params.free_all()
         faults.where.step = self.global_steps
         position = (self.global_steps, state.take_training_forwards())
-        # Applies .grad changed in place through the views (stages 0-1, grad_views.py).
+        # Applies .grad changed in place through the views (stages 0-1, zeroshard/grads/views.py).
         result = self._step.run(self._grads.reducer.take_local_sum(), position)
         self._grads.views.clear()
         self._global_grad_norm = result.norm_tensor

@@ -26,6 +26,7 @@ from torch import nn
 from zeroshard.comm import collectives as comm
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.grads.accumulation import Accumulation
+from zeroshard.grads.buffers import FlatGradients
 from zeroshard.grads.path import GradientPath
 from zeroshard.grads.reduce import GradientReducer, default_bucket_numel
 from zeroshard.grads.views import GradViews
@@ -36,20 +37,20 @@ from zeroshard.moe.utils import (
 )
 from zeroshard.optim import build_optimizer as build_named_optimizer
 from zeroshard.optim import repoint_optimizer
+from zeroshard.optim.build import build_host_optimizer
 from zeroshard.optim.muon import optimizer as muon
 from zeroshard.optim.untested import check_client_optimizer
 from zeroshard.precision.loss_scale import LossScaler
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
 from zeroshard.sharding.flat import FlatParamGroup
 from zeroshard.sharding.layout import ParallelLayout, ShardingSpec
-from zeroshard.sharding.leaf_modules import apply_leaf_module_config
-from zeroshard.sharding.offload import build_host_optimizer
 from zeroshard.sharding.schedule import ParamSchedule
 from zeroshard.sharding.stages import StagePolicy
 from zeroshard.sharding.streams import StreamSet
 from zeroshard.sharding.unit import Unit
-from zeroshard.sharding.units import plan_units
+from zeroshard.sharding.units import full_numel, plan_units
 from zeroshard.zero import partition as init_partition
+from zeroshard.zero.leaf_modules import apply_leaf_module_config
 
 
 @dataclasses.dataclass
@@ -127,7 +128,7 @@ def transform_model(
         )
     hyper, group_of = optimizer_groups(model, model_parameters, optimizer)
     if muon.is_muon_requested(optimizer, config.optimizer):
-        # Muon and AdamW parameters in separate groups, hence separate flats (optim/muon.py).
+        # Muon and AdamW parameters in separate groups, hence separate flats (zeroshard/optim/muon/groups.py).
         params_cfg = config.optimizer.params if optimizer is None else None
         hyper, group_of = muon.split_param_groups(model, hyper, group_of, params_cfg)
     return ModelTransforms(hyper, group_of, expert_group_names, autoep_settings, load_balancer)
@@ -191,7 +192,7 @@ def build_units(
             classes[key][0].append(name)
             classes[key][1].append(p)
         unit_policy = policy
-        if not policy.keep_full_params and sum(init_partition.full_numel(p) for p in spec.params) < threshold:
+        if not policy.keep_full_params and sum(full_numel(p) for p in spec.params) < threshold:
             # Small units stay resident (stage3_param_persistence_threshold): gathering
             # them would cost more latency than the memory is worth. Such a unit then
             # behaves as at stage 2.
@@ -204,6 +205,7 @@ def build_units(
             FlatParamGroup(
                 spec.name, names, params, plan.groups[role_name],
                 opt_group, unit_policy, device, sharding_for(layout, expert_group), streams=streams,
+                gradients=FlatGradients,
             )
             for (role_name, opt_group, expert_group), (names, params) in classes.items()
         ]

@@ -50,7 +50,7 @@ class Accumulation:
         self.global_samples = 0
         self.backward_count = 0  # backward epilogues run so far
         # Outermost training forwards (grad enabled, train mode) since the last optimizer
-        # step: every rank must run as many (checked with the step's norm, step.py).
+        # step: every rank must run as many (checked with the step's norm, zeroshard/step/optimizer_step.py).
         self.training_forwards = 0
         self.unreduced = False  # local gradients a backward left for `flush`
         self.sync_enabled = True  # False inside no_sync() or coalesce_grad_reduction()

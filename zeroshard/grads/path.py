@@ -1,6 +1,6 @@
 """The gradient path: from a parameter's post-accumulate hook to its reduced shard.
 
-One owner, this file (DESIGN section 4); it writes into the flat buffers' gradient buffers
+One owner, this file (docs/design.md section 4); it writes into the flat buffers' gradient buffers
 (zeroshard/grads/buffers.py) and reduces them through the bucketed reducer (zeroshard/grads/reduce.py).
 Follow a gradient:
 
@@ -26,7 +26,7 @@ Follow a gradient:
 
 How the end of a backward is found, not by counting hooks:
 
-* Module outputs pass through `_BackwardEntry`, an identity whose backward runs in the
+* Module outputs pass through `_BackwardEntry` (zeroshard/sharding/hooks.py), an identity whose backward runs in the
   outermost graph task before any of the module's own backward. It queues the end-of-
   backward callback there (so reentrant checkpointing, whose recomputation runs nested
   graph tasks, cannot end the backward early), applies the fp16 loss scale (so plain
@@ -45,71 +45,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.grads.reduce import GradientReducer
+from zeroshard.sharding.hooks import EngineHook, wrap_outputs
 from zeroshard.sharding.stages import StagePolicy
 
 if TYPE_CHECKING:
     from zeroshard.grads.views import GradViews
     from zeroshard.sharding.schedule import ParamSchedule
     from zeroshard.sharding.unit import Unit
-
-
-class _BackwardEntry(torch.autograd.Function):
-    """Identity on the way forward; `on_grad(grad)` on the way back."""
-
-    @staticmethod
-    def forward(ctx, on_grad: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor):
-        ctx.on_grad = on_grad
-        # detach(), not view_as(): autograd forbids in-place ops on a view made inside a custom
-        # Function, and the Trainer scales its loss in place (`loss *= ...`). detach() shares the
-        # storage and the version counter, so an in-place op behaves as on the module's own output.
-        return tensor.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return None, ctx.on_grad(grad)
-
-
-def _inert(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _make_inert() -> Callable[..., None]:
-    return _inert
-
-
-class EngineHook:
-    """A module hook of this engine's. A deep copy (the EMA pattern) or a pickle of the module
-    gets an inert hook instead: the engine (its process groups) cannot be copied, and its
-    schedule must not run for another module."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
-        return _inert
-
-    def __reduce__(self):
-        return _make_inert, ()
-
-
-def wrap_outputs(output: Any, on_grad: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Pass every floating tensor of `output` that requires grad through `_BackwardEntry`."""
-
-    def wrap(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point():
-            return _BackwardEntry.apply(on_grad, x)
-        return x
-
-    return tree_map(wrap, output)
 
 
 class GradientPath:
@@ -155,7 +101,7 @@ class GradientPath:
             root.register_forward_pre_hook(EngineHook(self._root_pre), prepend=True),
             root.register_forward_hook(EngineHook(self._root_post), always_call=True),
         ]
-        views_possible = not policy.scatter and not policy.reduce_every_backward  # stages 0-1 (grad_views.py)
+        views_possible = not policy.scatter and not policy.reduce_every_backward  # stages 0-1 (views.py)
         for unit in units:
             for flat in unit.flats:
                 for index, p in enumerate(flat.params):

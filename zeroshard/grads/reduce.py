@@ -1,7 +1,7 @@
 """Bucketed reduction of local gradients across ranks: one collective per bucket.
 
 The one reduction every stage uses. Each flat buffer's local gradient is divided by
-world_size x k (DESIGN section 4's gradient semantics), copied into a bucket in the wire
+world_size x k (docs/design.md section 4's gradient semantics), copied into a bucket in the wire
 dtype, and when the bucket is full (`reduce_bucket_size` elements, as in DeepSpeed) or the
 backward ends, the whole bucket is reduced by one collective: an all-reduce at stages 0-1, a
 reduce-scatter at stages 2-3, over the flats' shard group; with hybrid sharding the result is
@@ -143,7 +143,7 @@ class GradientReducer:
         self._open: dict[tuple, _Bucket] = {}  # the bucket being filled, per key
         self._issued: list[_Bucket] = []  # collectives in flight, in issue order (at most one)
         # The sum of this rank's own gradients since the last step: only whether it is
-        # finite is used, to name the rank a non-finite gradient came from (step.py).
+        # finite is used, to name the rank a non-finite gradient came from (zeroshard/step/optimizer_step.py).
         self._local_sum: torch.Tensor | None = None
         self.landing = landing
         self.streams = streams

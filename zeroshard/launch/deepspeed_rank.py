@@ -2,7 +2,7 @@
 
 torchrun starts `python -m zeroshard.launch.deepspeed_rank [--module] [--no_python]
 [--no_local_rank] SCRIPT ARGS...` once per device. This appends `--local_rank=$LOCAL_RANK`
-after SCRIPT (before ARGS, where DeepSpeed's launch.py puts it) unless `--no_local_rank`, then
+after SCRIPT (before ARGS, where DeepSpeed's deepspeed/launcher/launch.py puts it) unless `--no_local_rank`, then
 runs SCRIPT in this interpreter as `python SCRIPT` would (`__name__ == "__main__"`, `sys.argv[0]`
 the script, its folder first on sys.path), a module as `python -m` would, or, with `--no_python`,
 replaces this process with the program (same process id, so torchrun's signals reach it).

@@ -40,7 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.faults import DEFAULT_COLLECTIVE_TIMEOUT_S
+from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.launch.device import binds_device_id, cuda_device_index, uses_nccl
 from zeroshard.launch.launchers import discover_launch, export_launch
 

@@ -1,5 +1,6 @@
 """The token dispatcher of an MoE layer: place each kept route in its expert's capacity slot,
-exchange the slots over the expert-parallel group by all-to-all (with gradients), run the
+exchange the slots over the expert-parallel group by all-to-all (with gradients:
+zeroshard/comm/exchange.py), run the
 local experts, send the results back and combine each token's routes by their gate weights.
 
 Layout of the exchanged buffer: [experts E, capacity C, d_model M] with E = ep_size x
@@ -18,30 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard.comm import collectives as comm
 from zeroshard.comm.collectives import Group
-
-
-class _AllToAll(torch.autograd.Function):
-    """All-to-all over `group`; its gradient is the same exchange in reverse, which for equal
-    slices is the same call on the gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, group: Group, input: Tensor, tag: str) -> Tensor:  # type: ignore[override]
-        ctx.group, ctx.tag = group, tag
-        input = input.contiguous()
-        return comm.all_to_all_single(torch.empty_like(input), input, group=group, tag=tag)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        return None, _AllToAll.apply(ctx.group, grad.contiguous(), ctx.tag + "_grad"), None
-
-
-def all_to_all(input: Tensor, group: Group, tag: str = "moe") -> Tensor:
-    """Differentiable equal-split all-to-all along dim 0 (the identity on one rank)."""
-    if group.size == 1:
-        return input
-    return _AllToAll.apply(group, input, tag)
+from zeroshard.comm.exchange import all_to_all
 
 
 def route_slots(indices: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
@@ -119,11 +98,11 @@ class MOELayer(nn.Module):
         dispatched = encode(tokens, slots, num_experts, capacity)
         group = self.ep_group
         if group is not None:
-            dispatched = all_to_all(dispatched, group, "moe_dispatch")
+            dispatched = all_to_all(dispatched, group, tag="moe_dispatch")
         # [ep_size (source rank), num_local_experts, C, M] after the exchange
         expert_output = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, capacity, d_model))
         expert_output = expert_output.reshape(num_experts, capacity, d_model)
         if group is not None:
-            expert_output = all_to_all(expert_output, group, "moe_combine")
+            expert_output = all_to_all(expert_output, group, tag="moe_combine")
         combined = decode(expert_output.reshape(num_experts * capacity, d_model), slots, gates)
         return combined.reshape(hidden.shape)

@@ -72,7 +72,6 @@ class StepTimers:
         self._totals_ms: dict[tuple[str, str], float] = {}
         self._steps = 0
         self._last: dict[str, float] = {}
-        self._last_step_ms: dict[str, float] = {}
 
     # ------------------------------------------------------------- recording
     def _mark(self):

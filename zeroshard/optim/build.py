@@ -8,28 +8,27 @@ flat buffer holds parameters of exactly one optimizer group.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from zeroshard.config.error import ConfigError
 from zeroshard.config.optimizer_params import NO_EFFECT, render_problems
+from zeroshard.config.optimizers import OPTIMIZERS, optimizer_kind
+from zeroshard.optim.cpu_adam import DeepSpeedCPUAdam
 from zeroshard.optim.state_dtype_adamw import StateDtypeAdamW
-
-SUPPORTED = ("Adam", "AdamW", "SGD")  # built here; Muon by optim/muon.py
 
 
 def state_dtype_problem(opt_type: str, params: dict[str, Any]) -> str | None:
     """Why `opt_type` cannot keep its state in a dtype other than the masters', or None."""
-    kind = opt_type.lower()
-    if kind in ("adam", "adamw") and params.get("amsgrad", False):
+    kind = optimizer_kind(opt_type)
+    if kind is not None and kind.adam_family and params.get("amsgrad", False):
         return (
             "optimizer.params.amsgrad=true: not supported with optimizer state in a dtype "
             "other than the master weights' (bf16.bf16_master_weights_and_grads without "
             "bf16_optimizer_states). Drop amsgrad, or set bf16.bf16_optimizer_states=true."
         )
-    if kind == "sgd":
+    if kind is not None and kind.name == "SGD":
         return (
             "optimizer.type=SGD: its momentum is kept in the master weights' dtype, but the plan asks "
             "for optimizer state in another dtype (bf16.bf16_master_weights_and_grads without "
@@ -62,11 +61,12 @@ def build_optimizer(
     Raises:
         ConfigError: an unsupported type or parameter, naming the config key.
     """
-    kind = opt_type.lower()
-    if kind not in ("adam", "adamw", "sgd"):
+    kind = optimizer_kind(opt_type)
+    if kind is None or kind.built_by != "torch":
+        built = ", ".join(k.name for k in OPTIMIZERS.values() if k.built_by == "torch")
         raise ConfigError(
-            f"optimizer.type={opt_type!r}: not supported by zeroshard. "
-            f"Use one of Adam, AdamW, SGD or Muon (the engine builds Muon itself)."
+            f"optimizer.type={opt_type!r}: not built here. Use one of {built}; the engine builds Muon itself "
+            "from the config's optimizer section."
         )
     problems = render_problems(opt_type, params)
     if state_dtype is not None and (problem := state_dtype_problem(opt_type, params)):
@@ -74,7 +74,7 @@ def build_optimizer(
     if problems:
         raise ConfigError(problems)
     kw = {k: v for k, v in params.items() if k not in NO_EFFECT}
-    if kind in ("adam", "adamw"):
+    if kind.adam_family:
         kw.pop("bias_correction", None)
         adam_w = kw.pop("adam_w_mode", True)
         kw.setdefault("lr", 1e-3)
@@ -118,4 +118,16 @@ def repoint_optimizer(
     return optimizer
 
 
-OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+def build_host_optimizer(
+    opt_type: str, params: dict[str, Any], groups: list[dict[str, Any]], state_dtype: torch.dtype | None
+) -> torch.optim.Optimizer:
+    """The config's optimizer over host masters: Adam/AdamW as the fused CPU kernel
+    (DeepSpeedCPUAdam), anything else as `build_optimizer` makes it."""
+    built = build_optimizer(opt_type, params, groups, state_dtype)  # validates the parameters
+    if type(built) not in (torch.optim.Adam, torch.optim.AdamW):
+        return built
+    d = built.defaults
+    return DeepSpeedCPUAdam(
+        groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+        amsgrad=d["amsgrad"], adamw_mode=bool(d.get("decoupled_weight_decay", type(built) is torch.optim.AdamW)),
+    )

@@ -1,7 +1,7 @@
 """Resolve a config into a PrecisionPlan: one dtype per tensor role per parameter group.
 
 [Note: dtypes]
-The vocabulary used everywhere in zeroshard (DESIGN section 2):
+The vocabulary used everywhere in zeroshard (docs/design.md section 2):
 
 * ``param_dtype``: the module parameters, what forward sees.
 * ``compute``: how forward computes ("fp32", "bf16", "fp16", or "autocast(bf16)" for

@@ -5,7 +5,8 @@ the whole sequence, but its heads are independent, so `DistributedAttention` tra
 an all-to-all scatters the heads and gathers the sequence (each rank then holds every position
 for about H/P heads), any local attention runs on that, and the inverse all-to-all gives each
 rank its own positions back with every head. Backward of an all-to-all is the all-to-all the
-other way, so autograd only has to swap the two directions (`_SeqAllToAll`).
+other way: zeroshard/comm/exchange.py's one differentiable exchange does both, and this file
+only lays out the rows (heads one way, sequence chunks the other).
 
 Layouts follow DeepSpeed's convention: dims 0 and 1 are batch and sequence (`batch_dim_idx`
 says which is the batch), and the heads dimension is whichever of `scatter_idx`/`gather_idx`
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.comm import collectives as comm
+from zeroshard.comm.exchange import all_to_all_many
 from zeroshard.sequence.shapes import agree_shapes
 
 __all__ = [
@@ -53,76 +55,38 @@ def head_counts(num_heads: int, world: int) -> list[int]:
     return [base + (r < extra) for r in range(world)]
 
 
-class _InFlight:
-    """An all-to-all issued but maybe not finished: `result()` waits and shapes what arrived."""
-
-    def __init__(self, recv: Tensor, work: Any, finish: Any) -> None:
-        self.recv, self.work, self.finish = recv, work, finish
-
-    def result(self) -> Tensor:
-        if self.work is not None:
-            self.work.wait()
-        return self.finish(self.recv)
-
-
-def start_heads_to_sequence(
-    x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int], async_op: bool = False
-) -> _InFlight:
-    """Issue `heads_to_sequence` (asynchronously with `async_op`); `.result()` gives its output."""
+def _to_sequence(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int]):
+    """The rows, splits and reshaping of `heads_to_sequence`."""
     world, mine = group.size, counts[group.rank]
-    send = x.movedim(head_dim, 0).contiguous()  # (H, *rest): rank j's heads are consecutive rows
-    recv = send.new_empty((world * mine, *send.shape[1:]))
-    work = comm.all_to_all_single(
-        recv, send, [mine] * world, list(counts), group=group, tag="sequence", async_op=async_op
-    )
+    send = x.movedim(head_dim, 0)  # (H, *rest): rank j's heads are consecutive rows
 
     def finish(recv: Tensor) -> Tensor:
         # (P * h, *rest) -> (P, *x's dims with h heads); then P joins the sequence it came from.
         out = recv.view(world, mine, *send.shape[1:]).movedim(1, 1 + head_dim)
         return out.movedim(0, seq_dim).flatten(seq_dim, seq_dim + 1)
 
-    return _InFlight(recv, work if async_op else None, finish)
+    return send, list(counts), [mine] * world, finish
 
 
-def heads_to_sequence(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int]) -> Tensor:
-    """Every head on this rank's sequence chunk -> `counts[rank]` heads on the whole sequence.
-
-    `x` holds sum(counts) heads; rank j receives heads [sum(counts[:j]), sum(counts[:j+1])).
-    The sequence is gathered in group-rank order along `seq_dim`.
-    """
-    return start_heads_to_sequence(x, group, head_dim, seq_dim, counts).result()
-
-
-def start_sequence_to_heads(
-    x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int], async_op: bool = False
-) -> _InFlight:
-    """Issue `sequence_to_heads` (asynchronously with `async_op`); `.result()` gives its output."""
+def _to_heads(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int]):
+    """The rows, splits and reshaping of `sequence_to_heads`."""
     world = group.size
     seq = x.shape[seq_dim]
     if seq % world:
         raise ValueError(f"sequence length {seq} is not divisible by the sequence-parallel size {world}")
-    chunk = x.unflatten(seq_dim, (world, seq // world)).movedim(seq_dim, 0).contiguous()  # (P, *x's dims)
+    chunk = x.unflatten(seq_dim, (world, seq // world)).movedim(seq_dim, 0)  # (P, *x's dims)
     per_head = chunk[0].numel() // max(counts[group.rank], 1)
-    recv = x.new_empty(sum(counts) * per_head)
-    work = comm.all_to_all_single(
-        recv, chunk.view(-1), [c * per_head for c in counts], None, group=group, tag="sequence", async_op=async_op
-    )
+    recv_rows = [c * per_head for c in counts]
 
     def finish(recv: Tensor) -> Tensor:
         shape = list(chunk.shape[1:])
         pieces = []
-        for part, count in zip(recv.split([c * per_head for c in counts]), counts, strict=True):
+        for part, count in zip(recv.split(recv_rows), counts, strict=True):
             shape[head_dim] = count
             pieces.append(part.view(shape))
         return torch.cat(pieces, dim=head_dim)
 
-    return _InFlight(recv, work if async_op else None, finish)
-
-
-def sequence_to_heads(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int]) -> Tensor:
-    """`counts[rank]` heads on the whole sequence -> every head on this rank's sequence chunk
-    (the inverse of `heads_to_sequence` with the same `counts`)."""
-    return start_sequence_to_heads(x, group, head_dim, seq_dim, counts).result()
+    return chunk.reshape(-1), None, recv_rows, finish
 
 
 def exchange_overlapped(
@@ -133,88 +97,40 @@ def exchange_overlapped(
     to_sequence: bool,
     stream: Any = None,
 ) -> list[Tensor]:
-    """Several head/sequence exchanges (query, key, value), overlapped; results in order.
+    """Several head/sequence exchanges (query, key, value) at once, differentiably; results in
+    order. One exchange of zeroshard/comm/exchange.py carries them all: issued together (with a
+    CUDA `stream`, DeepSpeed's `sp_stream`, every tensor but the first on that side stream), and
+    their gradients go back together the same way; the numbers do not depend on the stream."""
+    if group.size == 1:  # nothing moves: every rank's heads and sequence are its own
+        return [x for x, _ in items]
+    prepare = _to_sequence if to_sequence else _to_heads
+    prepared = [prepare(x, group, head_dim, seq_dim, counts) for x, counts in items]
+    received = all_to_all_many([(send, out, into) for send, out, into, _ in prepared], group, "sequence", stream)
+    return [finish(recv) for (_, _, _, finish), recv in zip(prepared, received, strict=True)]
 
-    With a CUDA `stream` (DeepSpeed's `sp_stream`) and CUDA tensors, the first item's exchange
-    runs on the current stream while the others run on `stream`: the side stream first waits
-    for the current one (the inputs were made there), the current one waits for the side
-    stream before the results are used, and `record_stream` keeps each tensor that crosses
-    streams alive until the stream using it is done. Otherwise (CPU, or no stream) every
-    exchange is issued asynchronously and then waited for in order, so gloo moves them
-    concurrently; the numbers are the same either way.
+
+def heads_to_sequence(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int]) -> Tensor:
+    """Every head on this rank's sequence chunk -> `counts[rank]` heads on the whole sequence
+    (differentiable: its gradient is `sequence_to_heads` of the gradient).
+
+    `x` holds sum(counts) heads; rank j receives heads [sum(counts[:j]), sum(counts[:j+1])).
+    The sequence is gathered in group-rank order along `seq_dim`.
     """
-    start = start_heads_to_sequence if to_sequence else start_sequence_to_heads
-    first = items[0][0]
-    if stream is not None and first.is_cuda and isinstance(stream, torch.cuda.Stream):
-        current = torch.cuda.current_stream(first.device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            side = [start(t, group, head_dim, seq_dim, counts, async_op=True) for t, counts in items[1:]]
-            for t, _ in items[1:]:
-                t.record_stream(stream)
-        mine = start(first, group, head_dim, seq_dim, items[0][1]).result()
-        with torch.cuda.stream(stream):
-            side_results = [flight.result() for flight in side]
-        current.wait_stream(stream)
-        for result in side_results:
-            result.record_stream(current)
-        return [mine, *side_results]
-    flights = [start(t, group, head_dim, seq_dim, counts, async_op=True) for t, counts in items]
-    return [flight.result() for flight in flights]
+    return exchange_overlapped([(x, counts)], group, head_dim, seq_dim, True)[0]
 
 
-class _QKVExchange(torch.autograd.Function):
-    """Query, key and value to (or from) the head split in one overlapped step; the backward
-    is the overlapped inverse exchange of their gradients."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        group: comm.Group,
-        head_dim: int,
-        seq_dim: int,
-        counts: tuple[list[int], ...],
-        stream: Any,
-        *tensors: Tensor,
-    ) -> tuple[Tensor, ...]:
-        ctx.args = (group, head_dim, seq_dim, counts, stream)
-        items = list(zip(tensors, counts, strict=True))
-        return tuple(exchange_overlapped(items, group, head_dim, seq_dim, True, stream))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        group, head_dim, seq_dim, counts, stream = ctx.args
-        grads_in = exchange_overlapped(
-            [(g.contiguous(), c) for g, c in zip(grads, counts, strict=True)], group, head_dim, seq_dim, False, stream
-        )
-        return (None, None, None, None, None, *grads_in)
-
-
-class _HeadSequenceExchange(torch.autograd.Function):
-    """`heads_to_sequence` (to_sequence) or `sequence_to_heads`, with the dims named; the
-    backward is the other one."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, group: comm.Group, x: Tensor, head_dim: int, seq_dim: int, counts: list[int], to_sequence: bool
-    ) -> Tensor:
-        ctx.args = (group, head_dim, seq_dim, counts, not to_sequence)
-        exchange = heads_to_sequence if to_sequence else sequence_to_heads
-        return exchange(x, group, head_dim, seq_dim, counts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        group, head_dim, seq_dim, counts, to_sequence = ctx.args
-        grad_input = _HeadSequenceExchange.apply(group, grad, head_dim, seq_dim, counts, to_sequence)
-        return None, grad_input, None, None, None, None
+def sequence_to_heads(x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int]) -> Tensor:
+    """`counts[rank]` heads on the whole sequence -> every head on this rank's sequence chunk
+    (the inverse of `heads_to_sequence` with the same `counts`; differentiable)."""
+    return exchange_overlapped([(x, counts)], group, head_dim, seq_dim, False)[0]
 
 
 def exchange_heads(
     x: Tensor, group: comm.Group, head_dim: int, seq_dim: int, counts: list[int], to_sequence: bool
 ) -> Tensor:
-    """Differentiable `heads_to_sequence` (`to_sequence=True`) or `sequence_to_heads`, for any
-    layout (the Hugging Face integration's [batch, heads, seq, dim] among them)."""
-    return _HeadSequenceExchange.apply(group, x, head_dim, seq_dim, counts, to_sequence)
+    """`heads_to_sequence` (`to_sequence=True`) or `sequence_to_heads`, for any layout (the
+    Hugging Face integration's [batch, heads, seq, dim] among them)."""
+    return exchange_overlapped([(x, counts)], group, head_dim, seq_dim, to_sequence)[0]
 
 
 def _dims(scatter_idx: int, gather_idx: int, batch_dim_idx: int) -> tuple[int, int]:
@@ -231,20 +147,20 @@ def _dims(scatter_idx: int, gather_idx: int, batch_dim_idx: int) -> tuple[int, i
     return head_dim, 1 - batch_dim_idx
 
 
-class _SeqAllToAll(torch.autograd.Function):
-    """The differentiable all-to-all between a sequence split and a head split.
+class _SeqAllToAll:
+    """The differentiable all-to-all between a sequence split and a head split, under DeepSpeed's
+    name.
 
     `apply(group, input, scatter_idx, gather_idx, batch_dim_idx, stream=None, handle=None,
     type=None, is_fwd=True, counts=None)`: DeepSpeed's positional signature, plus the heads
     each rank holds after scattering them (None: an even split; `DistributedAttention` passes
     `head_counts(H, P)` so that uneven head counts work in both directions). `stream`,
     `handle`, `type` and `is_fwd` are accepted for compatibility; the collective runs on the
-    current stream.
+    current stream. Its gradient is the exchange the other way (zeroshard/comm/exchange.py).
     """
 
     @staticmethod
-    def forward(
-        ctx: Any,
+    def apply(
         group: Any,
         input: Tensor,
         scatter_idx: int,
@@ -264,18 +180,7 @@ class _SeqAllToAll(torch.autograd.Function):
             # every rank holds the same number of heads after the exchange
             total = input.shape[head_dim] * (1 if scatters_heads else group.size)
             counts = head_counts(total, group.size)
-        ctx.args = (group, scatter_idx, gather_idx, batch_dim_idx, counts)
-        if scatters_heads:
-            return heads_to_sequence(input, group, head_dim, seq_dim, counts)
-        return sequence_to_heads(input, group, head_dim, seq_dim, counts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        group, scatter_idx, gather_idx, batch_dim_idx, counts = ctx.args
-        grad_input = _SeqAllToAll.apply(
-            group, grad, gather_idx, scatter_idx, batch_dim_idx, None, None, None, False, counts
-        )
-        return (None, grad_input) + (None,) * 8
+        return exchange_heads(input, group, head_dim, seq_dim, counts, scatters_heads)
 
 
 def kv_selection(num_q: int, num_kv: int, world: int) -> tuple[list[int] | None, list[int]]:
@@ -382,8 +287,8 @@ class DistributedAttention(torch.nn.Module):
             key, value = key.index_select(head_dim, index), value.index_select(head_dim, index)
 
         _, seq_dim = _dims(self.scatter_idx, self.gather_idx, batch_dim_idx)
-        q, k, v = _QKVExchange.apply(
-            group, head_dim, seq_dim, (q_counts, kv_counts, kv_counts), self.sp_stream, query, key, value
+        q, k, v = exchange_overlapped(
+            [(query, q_counts), (key, kv_counts), (value, kv_counts)], group, head_dim, seq_dim, True, self.sp_stream
         )
         if rotary_pos_emb is not None:
             cos, sin = (f.transpose(0, 1) if batch_dim_idx == 1 else f for f in rotary_pos_emb)

@@ -5,7 +5,7 @@ returned by `UlyssesSPAttentionHF.register_with_transformers`. World = DP x SP: 
 are blocks of SP consecutive ranks (they exchange activations in every attention layer; keep
 them inside a node), data-parallel groups are the strided ranks holding the same sequence
 slice of different samples, and the sequence-data-parallel group is every rank (dense
-parameters are sharded over it: DESIGN section 9).
+parameters are sharded over it: docs/design.md section 9).
 
 Group getters return torch ProcessGroups, as DeepSpeed's do (users pass them to
 torch.distributed and to the data-loader adapter); `sequence_parallel_layout()` gives the same

@@ -1,7 +1,7 @@
 """Stage 3: a unit's parameter used as a bare tensor by code outside the unit.
 
 [Note: direct use of a unit's parameter]
-Module hooks gather a unit when its module, or any of its submodules, runs (param_schedule.py).
+Module hooks gather a unit when its module, or any of its submodules, runs (schedule.py).
 A model can also read a unit's parameter as a tensor from code the unit does not own: the
 root's `h @ self.blocks[0].fc.weight`, `F.linear(x, self.blocks[1].fc.weight)`, another unit's
 forward using it, or a weight shared by reference (an lm head tied to an embedding that is a

@@ -25,13 +25,14 @@ class, into one 1-D buffer:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import nn
 
 from zeroshard.comm import collectives as comm
-from zeroshard.grads.buffers import FlatGradients
 from zeroshard.precision.plan import RolePlan
 from zeroshard.sharding.gather import Gathering, GatherPiece, all_gather_shards
 from zeroshard.sharding.layout import ShardingSpec, current_layout
@@ -61,7 +62,12 @@ class FlatParamGroup:
         device: torch.device,
         spec: ShardingSpec | None = None,
         streams: StreamSet = NULL_STREAMS,
+        *,
+        gradients: Callable[[FlatParamGroup], Any],
     ) -> None:
+        """`gradients` makes the flat's gradient buffers from the flat (the engine passes
+        zeroshard/grads/buffers.py's `FlatGradients`; the gradient folder sits above this one,
+        docs/design.md "The floors")."""
         self.unit_name = unit_name
         # Stage 3's gathers run on a side stream on CUDA (real streams there); no-ops
         # elsewhere. See [Note: streams and events] in zeroshard/sharding/streams.py.
@@ -114,7 +120,7 @@ class FlatParamGroup:
                 self.param_shard = self.shard_of(self.full).clone()
 
         self.master = self._make_master()
-        self.grads = FlatGradients(self)
+        self.grads = gradients(self)
         if not policy.keep_full_params:
             self.free_full()
 
@@ -325,34 +331,9 @@ class FlatParamGroup:
             at = self.master.device
             self.master.copy_(torch.where(mask.to(at), source.to(device=at, dtype=self.master.dtype), self.master))
 
-    # ------------------------------------------- gradients (kept for older callers)
-    # The buffers and their lifecycle are `self.grads` (zeroshard/grads/buffers.py); these
-    # names stay for code written against the flat before the gradients moved out.
-    @property
-    def local_grad(self) -> torch.Tensor | None:
-        return self.grads.local
-
-    @property
-    def reduced_grad(self) -> torch.Tensor | None:
-        return self.grads.reduced
-
-    @property
-    def reduced_full(self) -> torch.Tensor | None:
-        return self.grads.reduced_full
-
-    def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        self.grads.accumulate(index, grad)
-
-    def settled_local_grad(self) -> torch.Tensor:
-        return self.grads.settled_local()
-
-    def end_reduction(self) -> None:
-        self.grads.end_reduction()
-
-    def reduced_grad_buffer(self) -> torch.Tensor:
-        return self.grads.reduced_buffer()
-
+    # ----------------------------------------------------------------- views
     def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter `index`'s part of a tensor laid out like `full`, in the parameter's shape."""
         return flat.narrow(0, self.offsets[index], self.numels[index]).view(self.shapes[index])
 
 

@@ -2,8 +2,9 @@
 
 Every gather of a sharded tensor goes through `all_gather_shards`: stage 3's parameter gather
 and prefetch (flat.py), stages 1-2's publish after the step (publish.py), the full-tensor
-helpers and GatheredParameters (full_tensors.py, zero.py), the 16-bit export, and Muon's
-gathers of its update (optim/muon.py). What differs between them is an argument:
+helpers and GatheredParameters (zeroshard/zero/full_tensors.py, zeroshard/zero/__init__.py),
+the 16-bit export, and Muon's gathers of its update (zeroshard/optim/muon/sharded.py). What differs
+between them is an argument:
 
 * `wire_dtype`: what goes on the wire. Training passes the plan's gather dtype (or the
   parameter dtype at publish); None means exact: the target's own dtype, bit for bit (helpers,
@@ -18,7 +19,7 @@ S x n elements (S the group size) that row r of a (S, n) view of which is rank r
 A bucket is a (S, C) matrix whose column blocks are pieces: rank r contributes row r (its
 shards side by side, cast to the wire dtype) and the all-gather returns every row, which is
 copied back into each target's (S, n) view with one strided copy. One collective per
-tensor paid the collective's fixed cost once per tensor (grad_reduce.py's note on buckets;
+tensor paid the collective's fixed cost once per tensor (zeroshard/grads/reduce.py's [Note: why buckets span units];
 benchmarks/collectives.py), hence the buckets.
 
 At most `max_in_flight` buckets (two) are in flight: issuing the third waits for the first

@@ -1,4 +1,4 @@
-"""The parallel layout (DESIGN section 9): every parallel dimension of a run, in one object.
+"""The parallel layout (docs/design.md section 9): every parallel dimension of a run, in one object.
 
 [Note: one layout per process]
 There is exactly one `ParallelLayout` object per process (per process group): `current_layout()`
@@ -7,7 +7,7 @@ DeepSpeed `MoE` layer built before `initialize`, `parallel_state_sp`, zero.Init,
 `groups` getters). `initialize` (and an Engine built without one) then takes that same object
 through `establish()`, cuts its dense dimension as the config asks, sets its sequence
 dimension, and hands it down: the engine, MoE and AutoEP layers, the load balancer, sequence
-layers, checkpoint I/O. The DeepSpeed getters (zeroshard/sharding/groups.py,
+layers, checkpoint I/O. The DeepSpeed getters (zeroshard/groups/expert_data.py,
 zeroshard/sequence/parallel_state_sp.py) are read-only views onto it; no module keeps a group
 of its own. When the default process group is replaced (destroy_process_group, then a new
 init), the next `current_layout()` sees a different world and starts a new layout for it,
@@ -254,7 +254,7 @@ class ParallelLayout:
     def data_parallel_size(self) -> int:
         """Replicas of the model that see different samples: the gradient average's
         denominator. Sequence ranks see slices of the same samples, so their gradients are
-        summed, not averaged (DESIGN section 9)."""
+        summed, not averaged (docs/design.md section 9)."""
         return self.world.size // self.sequence_parallel_size
 
     def set_sequence_parallel(self, sequence: Group | None, data: Group | None) -> ParallelLayout:
@@ -268,10 +268,6 @@ class ParallelLayout:
             )
         self.sequence, self.data = sequence, data
         return self
-
-    def with_sequence_parallel(self, sequence: Group, data: Group) -> ParallelLayout:
-        """`set_sequence_parallel` under its former name (returns this same layout)."""
-        return self.set_sequence_parallel(sequence, data)
 
     def init_sequence_mpu(self, sequence_parallel_size: int) -> SequenceParallelGroups:
         """Build the sequence-parallel mpu's groups (collective: every rank calls it)."""

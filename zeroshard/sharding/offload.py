@@ -164,21 +164,3 @@ class HostGradients:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-def build_host_optimizer(
-    opt_type: str, params: dict[str, Any], groups: list[dict[str, Any]], state_dtype: torch.dtype | None
-) -> torch.optim.Optimizer:
-    """The config's optimizer over host masters: Adam/AdamW as the fused CPU kernel
-    (DeepSpeedCPUAdam), anything else as `build_optimizer` makes it."""
-    from zeroshard.optim.build import build_optimizer
-    from zeroshard.optim.cpu_adam import DeepSpeedCPUAdam
-
-    built = build_optimizer(opt_type, params, groups, state_dtype)  # validates the parameters
-    if type(built) not in (torch.optim.Adam, torch.optim.AdamW):
-        return built
-    d = built.defaults
-    return DeepSpeedCPUAdam(
-        groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-        amsgrad=d["amsgrad"], adamw_mode=bool(d.get("decoupled_weight_decay", type(built) is torch.optim.AdamW)),
-    )

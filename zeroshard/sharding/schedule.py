@@ -1,6 +1,6 @@
 """Stage 3's parameter schedule: when each unit's full parameters are gathered and freed.
 
-A unit's parameters exist only around its forward and its backward (DESIGN section 3):
+A unit's parameters exist only around its forward and its backward (docs/design.md section 3):
 
 * forward: gathered by the unit's forward pre-hook, freed by its forward hook (the root unit
   stays gathered for the whole forward: its parameters may be used anywhere);
@@ -60,8 +60,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from zeroshard.grads.path import EngineHook, wrap_outputs
 from zeroshard.sharding.direct_use import DirectUseMode, param_finder
+from zeroshard.sharding.hooks import EngineHook, wrap_outputs
 from zeroshard.sharding.unit import Unit
 
 

@@ -1,4 +1,4 @@
-"""The four ZeRO stages as policies on one mechanism (DESIGN section 3).
+"""The four ZeRO stages as policies on one mechanism (docs/design.md section 3).
 
 Every stage uses the same units, flat buffers, shards, hooks and reductions; a stage only
 answers the questions of the table below. Nothing else in the engine asks "which stage?".

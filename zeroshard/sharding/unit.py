@@ -9,7 +9,7 @@ from zeroshard.sharding.flat import FlatParamGroup, ShardState
 
 
 class Unit:
-    """The parameters gathered, freed and reduced together (DESIGN section 3)."""
+    """The parameters gathered, freed and reduced together (docs/design.md section 3)."""
 
     def __init__(self, name: str, module: nn.Module, flats: list[FlatParamGroup]) -> None:
         self.name = name

@@ -1,4 +1,4 @@
-"""Which parameters form a unit: the wrapping policy of DESIGN section 3.
+"""Which parameters form a unit: the wrapping policy of docs/design.md section 3.
 
 A unit is the granularity at which gradients are reduced during backward (stages 2 and 3)
 and parameters are gathered and freed (stage 3). By default each element of the model's
@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from zeroshard.zero.partition import full_numel
-
 ROOT_UNIT_NAME = "<root>"
 
 
@@ -30,6 +28,14 @@ class UnitSpec:
     module: nn.Module
     param_names: list[str] = field(default_factory=list)
     params: list[nn.Parameter] = field(default_factory=list)
+
+
+def full_numel(p: torch.Tensor) -> int:
+    """The parameter's full element count, also while it is partitioned: `ds_numel` (DeepSpeed's
+    name) is set on a stage-3 parameter by its flat buffer and on one built under zero.Init by
+    its partitioning, while the tensor itself holds 0 elements."""
+    numel = getattr(p, "ds_numel", None)
+    return int(numel) if numel is not None and p.numel() == 0 else p.numel()
 
 
 def _numel(module: nn.Module) -> int:
@@ -139,13 +145,3 @@ def plan_units(
         target.param_names.append(name)
         target.params.append(p)
     return [root] + [s for s in specs if s.params]
-
-
-def owning_modules(model: nn.Module) -> dict[int, list[nn.Module]]:
-    """Parameter id -> every module that holds it directly (more than one when tied)."""
-    result: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if isinstance(p, torch.Tensor):
-                result.setdefault(id(p), []).append(module)
-    return result

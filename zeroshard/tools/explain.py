@@ -17,9 +17,9 @@ from typing import Any
 
 from zeroshard.config.monitor import monitor_destinations
 from zeroshard.config.preemption import signal_number
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
+from zeroshard.resolve import resolve_config
 from zeroshard.tools.memory import MemoryEstimate, bytes_per_param, estimate_for_config, optimizer_state_count
 
 __all__ = [
@@ -51,7 +51,7 @@ class UsageError(Exception):
 
 def preset_names() -> list[str]:
     try:
-        from zeroshard.demo.model import PRESETS
+        from zeroshard.models import PRESETS
     except ImportError:
         return []
     return list(PRESETS)
@@ -82,7 +82,7 @@ def build_model_on_meta(spec: str) -> Any:
         build: Callable[[], Any] = factory
     else:
         try:
-            from zeroshard.demo.model import GPT, PRESETS
+            from zeroshard.models import GPT, PRESETS
         except ImportError as exc:
             raise UsageError(f"--model {spec}: the demo model presets are unavailable ({exc}).") from None
         if spec not in PRESETS:
@@ -310,7 +310,7 @@ def _replicas(data: dict[str, Any]) -> str:
 
 
 def _parallel_layout(sequence_parallel_size: int, world_size: int) -> dict[str, Any]:
-    """The (data, sequence) layout (DESIGN section 9) and its activation-memory effect."""
+    """The (data, sequence) layout (docs/design.md section 9) and its activation-memory effect."""
     sp = sequence_parallel_size
     return {
         "sequence_parallel_size": sp,

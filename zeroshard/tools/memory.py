@@ -1,4 +1,4 @@
-"""Per-rank memory estimate of zeroshard's mechanism (DESIGN sections 3 and 7).
+"""Per-rank memory estimate of zeroshard's mechanism (docs/design.md sections 3 and 7).
 
 What each stage keeps on a rank, for P parameters in a group on W ranks, with the group's flat
 buffers padded to a multiple of W (a shard is ``ceil(P / W)`` elements):
@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zeroshard.config.optimizers import optimizer_kind
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.precision.plan import GROUP_SAFE, PrecisionPlan
 from zeroshard.sharding.flat import master_feeds_gather
@@ -92,14 +93,9 @@ def optimizer_state_count(optimizer_type: str | None, params: Mapping[str, objec
     Adam/AdamW keep 2 (exp_avg, exp_avg_sq); SGD keeps 1 with momentum and 0 without; Muon
     keeps 1 (momentum). None (the user brings an optimizer) is counted as AdamW.
     """
-    kind = (optimizer_type or "adamw").lower()
-    if kind in ("adam", "adamw"):
-        return 2
-    if kind == "muon":
-        return 1
-    if kind == "sgd":
-        momentum = float((params or {}).get("momentum", 0.0) or 0.0)  # type: ignore[arg-type]
-        return 1 if momentum != 0.0 else 0
+    kind = optimizer_kind(optimizer_type or "AdamW")
+    if kind is not None:
+        return kind.state_tensors(params or {})
     raise ValueError(f"optimizer type {optimizer_type!r}: unknown to the memory estimator")
 
 
@@ -252,12 +248,12 @@ def estimate_memory(
         optimizer_states: state tensors per element (``optimizer_state_count``).
         reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size: bucket sizes in
             elements (``zero_optimization``).
-        unit_numels: element counts of the units (DESIGN section 3); None = one unit holding
+        unit_numels: element counts of the units (docs/design.md section 3); None = one unit holding
             everything (an upper bound).
         persistence_threshold: stage-3 units smaller than this stay gathered.
         expert_counts: MoE expert parameters held on a rank (its local experts), by the
             expert-data-parallel size they are sharded over, then by precision group; not
-            included in ``param_counts`` (DESIGN section 9: experts are sharded over EDP).
+            included in ``param_counts`` (docs/design.md section 9: experts are sharded over EDP).
         offload_optimizer, offload_param, pin_memory: ZeRO-Offload (see the module docstring).
     """
     policy = stage_policy(stage)  # ValueError naming the stage for anything but 0-3

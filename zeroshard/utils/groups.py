@@ -1,65 +1,6 @@
 """DeepSpeed's `deepspeed.utils.groups` path: read-only views onto the parallel layout
-(re-exports of `zeroshard.sharding.groups`). DeepSpeed names most of these with a leading
+(re-exports of `zeroshard.groups`). DeepSpeed names most of these with a leading
 underscore; users and libraries call them by those names."""
 
-from zeroshard.sharding.groups import (
-    _create_expert_and_data_parallel,
-    _get_data_parallel_group,
-    _get_data_parallel_rank,
-    _get_data_parallel_world_size,
-    _get_expert_broadcast_src_rank,
-    _get_expert_data_parallel_group,
-    _get_expert_data_parallel_group_dict,
-    _get_expert_data_parallel_group_ranks,
-    _get_expert_data_parallel_rank,
-    _get_expert_data_parallel_world_size,
-    _get_expert_parallel_group,
-    _get_expert_parallel_group_dict,
-    _get_expert_parallel_group_ranks,
-    _get_expert_parallel_rank,
-    _get_expert_parallel_src_rank,
-    _get_expert_parallel_world_size,
-    _get_max_expert_parallel_group,
-    _get_max_expert_size,
-    _get_max_expert_size_name,
-    _get_sequence_data_parallel_group,
-    _get_sequence_data_parallel_rank,
-    _get_sequence_data_parallel_world_size,
-    _get_sequence_parallel_group,
-    _get_sequence_parallel_rank,
-    _get_sequence_parallel_world_size,
-    check_ep_size,
-    expert_group_name,
-    set_sequence_parallel_mpu,
-)
-
-__all__ = [
-    "_create_expert_and_data_parallel",
-    "_get_data_parallel_group",
-    "_get_data_parallel_rank",
-    "_get_data_parallel_world_size",
-    "_get_expert_broadcast_src_rank",
-    "_get_expert_data_parallel_group",
-    "_get_expert_data_parallel_group_dict",
-    "_get_expert_data_parallel_group_ranks",
-    "_get_expert_data_parallel_rank",
-    "_get_expert_data_parallel_world_size",
-    "_get_expert_parallel_group",
-    "_get_expert_parallel_group_dict",
-    "_get_expert_parallel_group_ranks",
-    "_get_expert_parallel_rank",
-    "_get_expert_parallel_src_rank",
-    "_get_expert_parallel_world_size",
-    "_get_max_expert_parallel_group",
-    "_get_max_expert_size",
-    "_get_max_expert_size_name",
-    "_get_sequence_data_parallel_group",
-    "_get_sequence_data_parallel_rank",
-    "_get_sequence_data_parallel_world_size",
-    "_get_sequence_parallel_group",
-    "_get_sequence_parallel_rank",
-    "_get_sequence_parallel_world_size",
-    "check_ep_size",
-    "expert_group_name",
-    "set_sequence_parallel_mpu",
-]
+from zeroshard.groups import *  # noqa: F403  (every name of zeroshard.groups.__all__, underscored ones too)
+from zeroshard.groups import __all__  # noqa: F401

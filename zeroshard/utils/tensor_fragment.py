@@ -1,6 +1,6 @@
-"""DeepSpeed's `deepspeed.utils.tensor_fragment` path: re-exports of `zeroshard.sharding.tensor_fragment`."""
+"""DeepSpeed's `deepspeed.utils.tensor_fragment` path: re-exports of `zeroshard.zero.tensor_fragment`."""
 
-from zeroshard.sharding.tensor_fragment import (
+from zeroshard.zero.tensor_fragment import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,

@@ -1,6 +1,6 @@
-"""DeepSpeed's `deepspeed.utils.z3_leaf_module` path: re-exports of `zeroshard.sharding.leaf_modules`."""
+"""DeepSpeed's `deepspeed.utils.z3_leaf_module` path: re-exports of `zeroshard.zero.leaf_modules`."""
 
-from zeroshard.sharding.leaf_modules import (
+from zeroshard.zero.leaf_modules import (
     apply_leaf_module_config,
     get_z3_leaf_modules,
     set_z3_leaf_module,

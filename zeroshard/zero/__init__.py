@@ -1,5 +1,7 @@
-"""`zeroshard.zero.GatheredParameters`: read or change full parameters at any stage
-(`zeroshard.zero.Init`, DeepSpeed's construction context, is in zero_init.py).
+"""DeepSpeed's ZeRO API over zeroshard's shards: `zeroshard.zero.GatheredParameters` (here: read or
+change full parameters at any stage), `zeroshard.zero.Init` (init.py: build a model already
+sharded), the full and local tensor helpers (`safe_get_full_fp32_param` and friends:
+full_tensors.py, tensor_fragment.py) and the stage-3 leaf modules (leaf_modules.py).
 
 At stage 3 a unit's parameters exist only around its forward and backward; inside this
 context they are gathered. With `modifier_rank=r`, changes rank r makes to the full
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import collectives as comm
-from zeroshard.sharding.full_tensors import _locate
+from zeroshard.zero.full_tensors import _locate
 from zeroshard.zero.init import Init, gather_partitioned, release_partitioned  # noqa: F401  (zeroshard.zero.Init)
 
 

@@ -185,7 +185,7 @@ class Init:
         param_swapper: Any = None,
         tensor_overrides: Any = None,
     ) -> None:
-        from zeroshard.config.resolve import resolve_config
+        from zeroshard.resolve import resolve_config
 
         self.enabled = enabled
         refused = {

@@ -53,12 +53,6 @@ def was_partitioned(p: torch.Tensor) -> bool:
     return getattr(p, _INFO, None) is not None
 
 
-def full_numel(p: torch.Tensor) -> int:
-    """The parameter's full element count, also while it is partitioned (or freed at stage 3)."""
-    numel = getattr(p, "ds_numel", None)
-    return int(numel) if numel is not None and p.numel() == 0 else p.numel()
-
-
 def _wire_device(group: Group) -> torch.device:
     """Where a collective over `group` takes its tensors: the host when the backend serves CPU
     tensors (gloo, "cpu:gloo,cuda:nccl"), the current GPU for NCCL alone."""

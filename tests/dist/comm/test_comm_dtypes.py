@@ -1,4 +1,4 @@
-"""The collectives of one optimizer step: their ops, dtypes and byte counts (DESIGN 2 and 5).
+"""The collectives of one optimizer step: their ops, dtypes and byte counts (docs/design.md sections 2 and 5).
 
 `zeroshard.comm.recording()` is held around one step (forward of the first micro-step to
 the boundary `engine.step()`). The expected records are derived here from the model's
@@ -67,7 +67,7 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size
 SMALL_BUCKET = 500  # reduce and all-gather buckets smaller than the model (1244 elements)
 
-# The precision contract (DESIGN section 2), per mode and precision group.
+# The precision contract (docs/design.md section 2), per mode and precision group.
 REDUCE = {
     ("fp32", "all"): "float32",
     ("bf16", "all"): "float32",  # fp32 accumulation by default, reduced in it

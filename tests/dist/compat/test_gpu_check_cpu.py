@@ -41,7 +41,7 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     # FLOPs per token come from the model before wrapping: the same for every engine (stage 3
     # partitions the parameters; counting them after wrapping gave it 7x too few on the GPU),
     # and the formula's value for the CPU's preset (tiny, sequence 64).
-    from zeroshard.demo.model import build_gpt
+    from zeroshard.models import build_gpt
 
     tiny = build_gpt("tiny", block_size=64)
     cfg = tiny.config

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.scenarios.group_sizes import initialize_error
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 
 TIMEOUT_S = 300
 BASE = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}

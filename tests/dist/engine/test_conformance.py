@@ -1,6 +1,6 @@
 """The engine against a single-process reference, across stages, precisions and world sizes.
 
-DESIGN section 5: reference equivalence, stage equivalence, replica consistency,
+docs/design.md section 5: reference equivalence, stage equivalence, replica consistency,
 accumulation-split invariance, the accumulation dtype, and the DeepSpeed regressions.
 
 The matrix (stages 0-3 x twelve precision modes x gradient_accumulation_steps 1 and 4) runs
@@ -278,7 +278,7 @@ def test_accumulation_dtype_is_real(dist_pool, use_no_sync: bool) -> None:
     the reduce in fp32 and bf16 respectively. With 2 ranks a bf16 sum of two values equals
     the rounded fp32 sum, which is why this needs 3.
 
-    The no_sync variant keeps micro-steps 0-2 local (DESIGN section 4): the local sum must
+    The no_sync variant keeps micro-steps 0-2 local (docs/design.md section 4): the local sum must
     still be kept in the accumulation dtype, at every stage.
     """
     world_size, ga = 3, 4
@@ -308,7 +308,7 @@ def test_accumulation_dtype_is_real(dist_pool, use_no_sync: bool) -> None:
 
 # ------------------------------------------------------------------------ DeepSpeed regressions
 #
-# DESIGN section 5's list of what DeepSpeed 0.19.8 got wrong here. Two of them live elsewhere:
+# docs/design.md section 5's list of what DeepSpeed 0.19.8 got wrong here. Two of them live elsewhere:
 # get_global_grad_norm() is checked to be a number on every stage by every reference
 # comparison (reference.check_against_reference) and by test_overflow_clipping.py; an
 # autograd call inside forward is the "tiled_loss" style of test_backward_styles.py, run on

@@ -1,4 +1,4 @@
-"""Every way of calling backward gives the reference's update (DESIGN section 4).
+"""Every way of calling backward gives the reference's update (docs/design.md section 4).
 
 Styles (tests/dist/scenarios/backward_styles.py): engine.backward(loss); plain
 loss.backward(); a non-scalar logits.backward(grad); reentrant and non-reentrant activation

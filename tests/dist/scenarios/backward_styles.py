@@ -96,7 +96,7 @@ def no_sync_step(engine, case: Case, batch) -> list[float]:
 
 def two_backward_step(engine, case: Case, batch) -> list[float]:
     """gradient_accumulation_steps = 1 and two backward calls before the step: the update
-    uses the sum of both gradients (DESIGN section 4). The batch has two micro-batches."""
+    uses the sum of both gradients (docs/design.md section 4). The batch has two micro-batches."""
     assert case.ga == 1
     losses = []
     for j in range(2):

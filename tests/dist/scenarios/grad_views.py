@@ -35,9 +35,9 @@ def grad_views(stage: int, mode: str, extra: dict[str, Any] | None = None) -> di
         for p in flat.params:
             if p.grad is not None:
                 # One buffer: the views, the optimizer's part and the local gradient it was.
-                base = flat.reduced_full.untyped_storage().data_ptr()
+                base = flat.grads.reduced_full.untyped_storage().data_ptr()
                 shares.append(p.grad.untyped_storage().data_ptr() == base
-                              and flat.reduced_grad.untyped_storage().data_ptr() == base)
+                              and flat.grads.reduced.untyped_storage().data_ptr() == base)
     out["shares_buffer"] = shares
     before = {n: zeroshard.safe_get_full_fp32_param(params[n]) for n in names}
     with torch.no_grad():

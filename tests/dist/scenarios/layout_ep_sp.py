@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroshard
+from zeroshard import groups
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.utils import global_expert_names
 from zeroshard.sequence import parallel_state_sp
 from zeroshard.sequence.layer import DistributedAttention
-from zeroshard.sharding import groups
 from zeroshard.sharding.layout import current_layout
 
 SP, EP = 2, 2

@@ -15,7 +15,7 @@ def _ranks(group: Any) -> tuple[int, ...]:
 
 
 def describe(sizes: list[int]) -> dict[str, Any]:
-    """For each sequence-parallel size: what the mpu and zeroshard.sharding.groups report."""
+    """For each sequence-parallel size: what the mpu and zeroshard.groups report."""
     out: dict[str, Any] = {"before": (groups._get_sequence_parallel_group(),
                                       groups._get_sequence_parallel_world_size(),
                                       groups._get_sequence_parallel_rank())}

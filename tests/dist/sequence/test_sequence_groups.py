@@ -1,5 +1,5 @@
 """The sequence-parallel mpu (zeroshard.sequence.parallel_state_sp) and
-zeroshard.sharding.groups at world size 4: sequence groups are consecutive ranks, data-parallel
+zeroshard.groups at world size 4: sequence groups are consecutive ranks, data-parallel
 groups strided, the sequence-data-parallel group is the world."""
 
 from __future__ import annotations

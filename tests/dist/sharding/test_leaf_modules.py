@@ -75,7 +75,7 @@ def test_the_leaf_module_config_marks_leaves_at_initialize(leaf_module) -> None:
 def test_the_leaf_module_config_defaults_to_deepspeeds_classes_and_checks_names() -> None:
     import zeroshard
     from tests.dist.scenarios.leaf_modules import Net
-    from zeroshard.config.resolve import resolve_config
+    from zeroshard.resolve import resolve_config
 
     classes = resolve_config({}).zero_optimization.leaf_module.classes
     assert classes == ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",

@@ -11,7 +11,7 @@ embedding that is a unit of its own, is read by the root. World 2, 2 optimizer s
   numbers in another order; bf16: the stated bf16 bounds, 8-bit mantissas);
 - against stage 0 on the same model: bitwise in fp32 and bf16 with one micro-step per step
   (each unit's gradient is complete before it is reduced, so the stages sum the same numbers
-  in the same order, DESIGN section 5); with gradient accumulation 2, stage 3 reduces every
+  in the same order, docs/design.md section 5); with gradient accumulation 2, stage 3 reduces every
   micro-step (another order), so 1e-6 absolute;
 - with reentrant and non-reentrant activation checkpointing of the code holding the direct
   uses: bitwise the stage-3 run without checkpointing (the recomputation repeats the same

@@ -1,4 +1,4 @@
-"""Overflow handling and gradient clipping across ranks (DESIGN section 5).
+"""Overflow handling and gradient clipping across ranks (docs/design.md section 5).
 
 Overflow: an inf in one rank's gradient must skip the step on every rank in every precision
 mode (fp32 and torch_autocast too), lower the fp16 loss scale as the hysteresis says, leave

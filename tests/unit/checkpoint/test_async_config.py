@@ -9,7 +9,7 @@ import pytest
 
 from zeroshard.checkpoint.async_save import decoupled
 from zeroshard.config.error import ConfigError
-from zeroshard.config.resolve import resolve_config
+from zeroshard.resolve import resolve_config
 
 
 def _engine(config: dict) -> SimpleNamespace:

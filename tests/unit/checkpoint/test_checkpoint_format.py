@@ -26,7 +26,7 @@ from zeroshard.checkpoint.format import (
     resolve_checkpoint_dir,
     validate_tag,
 )
-from zeroshard.checkpoint.rng import capture_rng_state, restore_rng_state
+from zeroshard.checkpoint.rng import apply_rng_state, capture_rng_state, parse_rng_state
 from zeroshard.checkpoint.save import json_roundtrips
 
 # A parameter "w" of shape (2, 5) split over two ranks: rank 0 holds elements 0..5 at
@@ -151,7 +151,7 @@ def test_rng_state_roundtrip() -> None:
     torch.manual_seed(5)
     random.seed(5)
     np.random.seed(5)
-    restore_rng_state(tensors, metadata)
+    apply_rng_state(parse_rng_state(tensors, metadata, "RNG state"))
     again = (torch.rand(3), random.random(), np.random.rand(2))
     assert torch.equal(first[0], again[0])
     assert first[1] == again[1]

@@ -27,8 +27,8 @@ from zeroshard.checkpoint.base import CheckpointError
 from zeroshard.checkpoint.deepspeed.convert import from_deepspeed, to_deepspeed
 from zeroshard.checkpoint.deepspeed.read_ds import read_deepspeed
 from zeroshard.checkpoint.deepspeed.unpickle import load_pt
-from zeroshard.sharding.full_tensors import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from zeroshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from zeroshard.zero.full_tensors import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 CASE = "s2_fp32_w1_muon"
 MATRICES = ["inp.weight", "mid.weight", "out.weight"]

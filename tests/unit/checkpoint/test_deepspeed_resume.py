@@ -24,7 +24,7 @@ from tests.unit.checkpoint.deepspeed_fixtures import (
     fixture_model,
     parse_case,
 )
-from zeroshard.sharding.full_tensors import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from zeroshard.zero.full_tensors import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 
 def engine_for(stage: int, precision: str, world: int, optimizer: str = "AdamW", extra: dict | None = None):

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard
-from zeroshard.comm.faults import DEFAULT_COLLECTIVE_TIMEOUT_S
-from zeroshard.config.resolve import resolve_config
+from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.config.schema import ConfigError, requested_collective_timeout_s
 from zeroshard.launch import distributed
+from zeroshard.resolve import resolve_config
 
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 

@@ -1,4 +1,4 @@
-"""Only the comm package (zeroshard/comm/) calls torch.distributed collectives (DESIGN section 9:
+"""Only the comm package (zeroshard/comm/) calls torch.distributed collectives (docs/design.md section 9:
 every collective names its group, so none may bypass comm's explicit-group functions)."""
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import zeroshard as deepspeed
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 from zeroshard.runtime.config import DeepSpeedConfigError
 
 

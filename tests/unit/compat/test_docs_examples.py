@@ -138,8 +138,8 @@ def test_every_example_is_run_by_a_test():
 
 
 def test_every_example_config_resolves():
-    from zeroshard.config.resolve import resolve_config
     from zeroshard.config.schema import ConfigError
+    from zeroshard.resolve import resolve_config
 
     configs = sorted((ROOT / "examples" / "configs").glob("*.json"))
     assert len(configs) >= 8

@@ -5,7 +5,7 @@ on a CPU-only machine without use_cpu: docs/hf-trainer.md) names the cause and t
 import pytest
 
 from zeroshard.config.error import ConfigError
-from zeroshard.config.resolve import resolve_config
+from zeroshard.resolve import resolve_config
 
 
 def test_a_one_process_triangle_names_use_cpu():

@@ -5,8 +5,8 @@ import warnings
 
 import pytest
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError, canonical_dtype_name
+from zeroshard.resolve import resolve_config
 
 
 def test_empty_config_takes_deepspeed_defaults():
@@ -357,7 +357,7 @@ def test_bad_files(tmp_path):
 
 
 def test_preemption_section_defaults_names_and_refusals():
-    from zeroshard.config.resolve import resolve_config
+    from zeroshard.resolve import resolve_config
 
     base = {"train_micro_batch_size_per_gpu": 1}
     section = resolve_config(base, world_size=1).preemption

@@ -10,8 +10,8 @@ import torch
 import zeroshard
 from zeroshard.cli import main
 from zeroshard.config.file import MAX_DEPTH
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 
 
 def explain_fails(capsys, path) -> str:

@@ -9,8 +9,8 @@ import torch
 
 import zeroshard
 import zeroshard.config.schema as config_module
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 
 
 def test_param_persistence_threshold_is_deepspeeds_alias():

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from zeroshard.config.expert_parallel import ExpertParallelConfig
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 from zeroshard.tools.explain import explain_data
 
 BASE = {"train_micro_batch_size_per_gpu": 1}

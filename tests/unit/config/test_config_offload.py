@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 
 
 def resolve(zero: dict):

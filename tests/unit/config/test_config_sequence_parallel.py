@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}
 

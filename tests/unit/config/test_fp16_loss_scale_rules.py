@@ -8,8 +8,8 @@ refuses it (docs/migrating-from-deepspeed.md, "Strict config reading").
 
 import pytest
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 
 KNOBS = ("loss_scale_window", "min_loss_scale")
 

@@ -31,7 +31,7 @@ from torch import nn
 
 import zeroshard
 from zeroshard.config.error import ConfigError
-from zeroshard.config.resolve import resolve_config
+from zeroshard.resolve import resolve_config
 
 TRAINER_STAGE3 = {
     "fp16": {"enabled": False}, "bf16": {"enabled": False},

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from zeroshard.config.moved_keys import MOVED_KEYS
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 
 # A valid value at each table target, and the config around it that makes it valid.
 TARGET_CONFIGS = {

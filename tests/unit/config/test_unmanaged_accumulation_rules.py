@@ -4,8 +4,8 @@ asserts: refused at stages 0-1, accepted at stage 2 (its TestUnmanagedGradientAc
 
 import pytest
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 
 
 def _config(stage, overlap_comm, managed=False):

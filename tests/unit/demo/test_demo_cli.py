@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.demo.cli import build_parser, child_env, main, torchrun_command
 from zeroshard.demo.train import RunDirMismatch, check_run_dir, default_config, parse_args
+from zeroshard.resolve import resolve_config
 
 
 def test_embedded_config_is_valid_and_fp32_on_cpu() -> None:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from zeroshard.demo.model import GPT, PRESETS, GPTConfig, build_gpt
+from zeroshard.models import GPT, PRESETS, GPTConfig, build_gpt
 
 
 @pytest.fixture

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.demo.monitoring import CSV_JOB_NAME, csv_folder, with_monitoring, write_report_pngs
 from zeroshard.demo.train import default_config
+from zeroshard.resolve import resolve_config
 
 
 def test_embedded_config_gets_csv_monitor_in_the_run_dir_and_timers(tmp_path) -> None:

@@ -4,6 +4,7 @@ The expected values are the gradients themselves (exact: copies and one fp32 add
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.unit.sharding.test_partition import BF16, BF16_ROLE, FP32, FP32_ROLE, SHAPES, build
@@ -88,3 +89,26 @@ def test_released_after_the_step_on_an_accelerator(monkeypatch) -> None:
     expected = torch.zeros(flat.padded_numel)
     expected[: flat.numels[0]] = second[0].reshape(-1)
     assert torch.equal(grads.settled_local(), expected)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_local_gradient_sums_what_arrived_and_is_zero_elsewhere(monkeypatch, stage: int) -> None:
+    """The local buffer is never zero-filled up front: the first gradient of a parameter is
+    copied in, later ones are added, and reading it zeroes what no gradient reached (and the
+    padding) — also after the buffer is restarted holding stale values (stage 1 keeps it)."""
+    flat, _, _ = build(monkeypatch, SHAPES, 7, 0, stage=stage, role=BF16_ROLE)  # 300 -> padded 301
+    g1 = torch.randn(7, 5, dtype=BF16)
+    g2 = torch.randn(7, 5, dtype=BF16)
+    g3 = torch.randn(16, 16, dtype=BF16)
+    for _ in range(2):  # the second round reuses (stage 1) or reallocates (stage 2) the buffer
+        flat.grads.accumulate(0, g1)
+        flat.grads.accumulate(0, g2)
+        flat.grads.accumulate(3, g3)
+        local = flat.grads.settled_local()
+        assert local.dtype == FP32  # the accumulation dtype, not the bf16 gradient's
+        expected = torch.zeros(301)
+        expected[:35] = g1.float().reshape(-1) + g2.float().reshape(-1)  # summed in fp32
+        expected[41:297] = g3.float().reshape(-1)
+        assert torch.equal(local, expected)  # exact: one fp32 add of two bf16 values
+        local.fill_(123.0)  # stale values that a restart must not leak into the next sum
+        flat.grads.end_reduction()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard
-from zeroshard.comm.faults import DEFAULT_COLLECTIVE_TIMEOUT_S
+from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.launch import distributed
 from zeroshard.launch.device import backends_by_device, binds_device_id, select_device, uses_nccl
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.faults import DEFAULT_COLLECTIVE_TIMEOUT_S
+from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.launch import distributed
 from zeroshard.launch.launchers import (
     DEFAULT_MASTER_PORT,

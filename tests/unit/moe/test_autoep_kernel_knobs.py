@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from zeroshard.config.expert_parallel import ExpertParallelConfig
-from zeroshard.config.resolve import resolve_config
 from zeroshard.module_inject.auto_ep import replace_moe_layers
+from zeroshard.resolve import resolve_config
 
 pytest.importorskip("transformers")
 

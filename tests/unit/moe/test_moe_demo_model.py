@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zeroshard.demo.cli import build_parser, torchrun_command
-from zeroshard.demo.model import build_gpt
+from zeroshard.models import build_gpt
 from zeroshard.moe.layer import MoE
 
 

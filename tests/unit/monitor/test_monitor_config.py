@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from zeroshard.config.error import ConfigError
-from zeroshard.config.resolve import resolve_config
+from zeroshard.resolve import resolve_config
 
 BASE = {"train_micro_batch_size_per_gpu": 1}
 

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.monitor import background
 from zeroshard.monitor.background import BackgroundWriter
 from zeroshard.monitor.csv_monitor import CsvMonitor, csv_file_name
 from zeroshard.monitor.master import MonitorMaster
+from zeroshard.resolve import resolve_config
 
 
 def test_csv_layout_is_deepspeeds(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zeroshard.ops.adam import DeepSpeedCPUAdam
-from zeroshard.sharding.offload import build_host_optimizer
+from zeroshard.optim.build import build_host_optimizer
 
 
 def test_signature_is_deepspeeds():

@@ -335,7 +335,7 @@ def test_bf16_masters_keep_fp32_momentum_when_the_plan_says_so():
     optimizer.attach_flats(engine.flats)
     x, y = batches()[0]
     engine.backward(engine(x, y))
-    grads = {id(f.master): f.reduced_grad_buffer().float().clone() for f in engine.flats}
+    grads = {id(f.master): f.grads.reduced_buffer().float().clone() for f in engine.flats}
     before = {id(f.master): f.master.clone() for f in engine.flats}
     engine.step()
     for group in optimizer.param_groups:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
 from zeroshard.optim.muon.qk_clip import QKHeads, max_logits, parse_qk_clip, register_qk_clip_heads
+from zeroshard.resolve import resolve_config
 
 
 def _muon(qk_clip) -> dict:
@@ -108,11 +108,11 @@ def test_register_refuses_a_missing_parameter():
 def test_fused_qkv_of_the_demo_model_scales_query_and_key_rows_only():
     """nanoGPT's c_attn [3C, C] (query rows, then key, then value): each head's logits scale
     by its gamma (weights and biases), the value rows keep factor 1."""
-    from zeroshard.demo.model import GPTConfig
+    from zeroshard.models import GPTConfig
     from zeroshard.optim.muon.qk_clip import attention_modules
 
     torch.manual_seed(2)
-    from zeroshard.demo.model import CausalSelfAttention
+    from zeroshard.models.gpt import CausalSelfAttention
 
     attn = CausalSelfAttention(GPTConfig(n_embd=16, n_head=4, block_size=8)).double()
     [(_, _, heads)] = list(attention_modules(attn))

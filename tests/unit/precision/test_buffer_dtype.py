@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.config.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
+from zeroshard.resolve import resolve_config
 
 
 class Rotary(nn.Module):

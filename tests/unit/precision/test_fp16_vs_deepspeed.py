@@ -21,7 +21,7 @@ import torch
 
 import zeroshard
 from tests.unit.checkpoint.deepspeed_fixtures import FIXTURES, fixture_model
-from zeroshard.sharding.full_tensors import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from zeroshard.zero.full_tensors import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 TOLERANCE = {2: {"rtol": 0.0, "atol": 0.0}, 3: {"rtol": 1e-5, "atol": 1e-9}}
 

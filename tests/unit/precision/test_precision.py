@@ -1,4 +1,4 @@
-"""resolve_precision_plan: every row of DESIGN section 2's table and every rule under it."""
+"""resolve_precision_plan: every row of docs/design.md section 2's table and every rule under it."""
 
 import pytest
 import torch
@@ -314,9 +314,9 @@ def test_defaults_and_widening_choices_are_not_lossy(raw):
 def test_lossy_choices_are_warned_once_and_marked_by_explain(tmp_path, capsys, monkeypatch):
     import json
 
-    import zeroshard.config.resolve as resolve_module
+    import zeroshard.resolve.rules as resolve_module
     from zeroshard.cli import main
-    from zeroshard.config.resolve import resolve_config
+    from zeroshard.resolve import resolve_config
 
     monkeypatch.setattr(resolve_module, "_warned_lossy", set())
     raw = {"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "fp16"}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard import groups
 from zeroshard.moe.layer import MoE
 from zeroshard.sequence import parallel_state_sp
-from zeroshard.sharding import groups
 from zeroshard.sharding.layout import ParallelLayout, current_layout, establish
 
 

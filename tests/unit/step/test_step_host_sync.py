@@ -1,5 +1,5 @@
 """The optimizer step reads the device once, for the packed all-reduce that every step needs
-(issue 14, DESIGN section 10; step.py's [Note: host reads in a step]): whether the norm is finite,
+(issue 14, docs/design.md section 10; step.py's [Note: host reads in a step]): whether the norm is finite,
 which ranks produced a non-finite gradient and whether the ranks are at the same step (issue 13).
 The norm, the clip coefficient and the clipped gradients stay on the device.
 

@@ -6,8 +6,8 @@ parameter counts below are multiples of W wherever a formula divides by W.
 
 import pytest
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.precision.plan import resolve_precision_plan
+from zeroshard.resolve import resolve_config
 from zeroshard.tools.memory import (
     bytes_per_param,
     estimate_for_config,

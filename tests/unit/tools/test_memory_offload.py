@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from zeroshard.config.resolve import resolve_config
 from zeroshard.precision.plan import resolve_precision_plan
+from zeroshard.resolve import resolve_config
 from zeroshard.tools.explain import explain_text
 from zeroshard.tools.memory import estimate_memory
 

@@ -1,8 +1,9 @@
 """One training state in a layout of neither engine: whole tensors by parameter name.
 
 Converting between DeepSpeed's checkpoints and zeroshard's goes through `PortableState`: the
-readers (read_ds.py, universal.py, read_zs.py) assemble every parameter and its optimizer state
-from the saving run's shards, the writers (write_zs.py, write_ds.py) cut them into the target's.
+readers (read_ds.py, universal.py, zs_format.py's `read_zeroshard`) assemble every parameter and
+its optimizer state from the saving run's shards, the writers (zs_format.py's `write_zeroshard`,
+write_ds.py) cut them into the target's.
 Only elements move, so masters and optimizer state come out bitwise the saved ones.
 """
 

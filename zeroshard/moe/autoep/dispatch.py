@@ -10,35 +10,17 @@ expert so each expert runs one matmul over a contiguous slice.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from zeroshard.comm import collectives as comm
 from zeroshard.comm.collectives import Group
-
-
-class _AllToAllV(torch.autograd.Function):
-    """Uneven all-to-all along dim 0; its gradient is the same exchange with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx: Any, group: Group, x: Tensor, send: list[int], recv: list[int], tag: str) -> Tensor:  # type: ignore[override]
-        ctx.group, ctx.send, ctx.recv, ctx.tag = group, send, recv, tag
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        return comm.all_to_all_single(out, x.contiguous(), recv, send, group=group, tag=tag)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        comm.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group, tag=ctx.tag + "_grad")
-        return None, out, None, None, None
+from zeroshard.comm.exchange import all_to_all
 
 
 def all_to_all_v(x: Tensor, group: Group, send: list[int], recv: list[int], tag: str) -> Tensor:
-    if group.size == 1:
-        return x
-    return _AllToAllV.apply(group, x, send, recv, tag)
+    """The uneven exchange (zeroshard/comm/exchange.py) under DeepSpeed's AutoEP name."""
+    return all_to_all(x, group, send, recv, tag)
 
 
 class ExchangePlan:

@@ -1,5 +1,5 @@
 """Which parameters Muon updates (decided on full shapes and names) and the engine's split of
-each optimizer group into a Muon part and an AdamW part (see [Note: Muon in zeroshard] in muon.py)."""
+each optimizer group into a Muon part and an AdamW part (see [Note: Muon in zeroshard] in optimizer.py)."""
 
 from __future__ import annotations
 

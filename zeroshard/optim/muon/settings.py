@@ -1,5 +1,5 @@
 """Muon's config: `optimizer.params` keys, their validation and resolved defaults
-(see [Note: Muon in zeroshard] in muon.py)."""
+(see [Note: Muon in zeroshard] in optimizer.py)."""
 
 from __future__ import annotations
 

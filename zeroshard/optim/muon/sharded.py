@@ -1,5 +1,5 @@
 """ShardedMuon: Muon over the engine's flat master tensors, each matrix orthogonalized by its
-owner rank (see [Note: Muon in zeroshard] in muon.py)."""
+owner rank (see [Note: Muon in zeroshard] in optimizer.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ call them, in the same order. A frozen parameter (requires_grad False) has no ma
 or optimizer state: they answer None for it, as DeepSpeed 0.19's do (no collective then).
 
 The one implementation: `zeroshard.safe_get_full_*` and DeepSpeed's paths
-(`zeroshard.utils`, `zeroshard.utils.tensor_fragment`, `zeroshard.sharding.tensor_fragment`)
+(`zeroshard.utils`, `zeroshard.utils.tensor_fragment`, `zeroshard.zero.tensor_fragment`)
 are these functions.
 """
 

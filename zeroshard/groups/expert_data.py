@@ -1,5 +1,5 @@
-"""DeepSpeed's `deepspeed.utils.groups` functions: read-only views onto the process's
-`ParallelLayout` (zeroshard/sharding/layout.py, which holds every group and states the
+"""The expert and data-parallel getters of DeepSpeed's `deepspeed.utils.groups`: read-only
+views onto the process's `ParallelLayout` (zeroshard/sharding/layout.py, which holds every group and states the
 placement: expert-parallel groups consecutive, expert-data-parallel strided).
 
 Expert groups are named `ep_size_<n>` as in DeepSpeed and built once per name, collectively,
@@ -10,9 +10,6 @@ The getters return a `zeroshard.comm.Group` (global `ranks`, this rank's `rank`,
 torch's process group, None for a group of one), which zeroshard's collectives and the gating
 functions' `ep_group` take. Code that passes the group to torch.distributed itself should pass
 `.handle`.
-
-Sequence-parallel accessors live in `sequence_groups` and are re-exported here, as DeepSpeed
-keeps every dimension's getters in this one module.
 """
 
 from __future__ import annotations
@@ -24,15 +21,6 @@ from zeroshard.sharding.layout import (  # noqa: F401  (check_ep_size: DeepSpeed
     check_ep_size,
     current_layout,
     expert_group_name,
-)
-from zeroshard.sharding.sequence_groups import (  # noqa: F401  (DeepSpeed's names, re-exported)
-    _get_sequence_data_parallel_group,
-    _get_sequence_data_parallel_rank,
-    _get_sequence_data_parallel_world_size,
-    _get_sequence_parallel_group,
-    _get_sequence_parallel_rank,
-    _get_sequence_parallel_world_size,
-    set_sequence_parallel_mpu,
 )
 
 

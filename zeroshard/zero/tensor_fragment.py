@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroshard.sharding.full_tensors import (
+from zeroshard.sharding.ranges import overlap
+from zeroshard.zero.full_tensors import (
     _locate,
     frozen,
     optimizer_state_of,
@@ -27,7 +28,6 @@ from zeroshard.sharding.full_tensors import (
     safe_get_full_grad,
     safe_get_full_optimizer_state,
 )
-from zeroshard.sharding.ranges import overlap
 
 if TYPE_CHECKING:
     from zeroshard.sharding.flat import FlatParamGroup
@@ -170,7 +170,7 @@ def _write_state(registry, flat, index, key, part, in_param, what) -> None:
 
 
 # ----------------------------------------------------------------------------- full
-# The getters are zeroshard.sharding.full_tensors' (imported above), so every path to them
+# The getters are zeroshard.zero.full_tensors' (imported above), so every path to them
 # is one function.
 
 

@@ -1,4 +1,4 @@
-"""A small byte-level GPT in the manner of nanoGPT, for the demo and for `explain --model`.
+"""A small GPT in the manner of nanoGPT, for the demo, `explain --model` and the benchmarks.
 
 The repeated `Block`s sit in one `nn.ModuleList`, so the engine's automatic rule makes each
 block a ZeRO unit; the embeddings, the final LayerNorm and the tied lm head form the root unit.
