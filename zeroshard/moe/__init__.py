@@ -6,7 +6,7 @@ Structure (the router / experts / dispatcher split of torchtitan):
     dispatcher.py   capacity slots, all-to-all over the expert-parallel group, MOELayer
     layer.py        MoE, DeepSpeed's user-facing layer
     utils.py        expert-parameter helpers and optimizer group splitting
-The groups live in zeroshard/groups/expert_data.py.
+The groups live in zeroshard/groups/__init__.py.
 """
 
 from zeroshard.moe.layer import MoE

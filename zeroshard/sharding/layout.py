@@ -7,7 +7,7 @@ DeepSpeed `MoE` layer built before `initialize`, `parallel_state_sp`, zero.Init,
 `groups` getters). `initialize` (and an Engine built without one) then takes that same object
 through `establish()`, cuts its dense dimension as the config asks, sets its sequence
 dimension, and hands it down: the engine, MoE and AutoEP layers, the load balancer, sequence
-layers, checkpoint I/O. The DeepSpeed getters (zeroshard/groups/expert_data.py,
+layers, checkpoint I/O. The DeepSpeed getters (zeroshard/groups/__init__.py,
 zeroshard/sequence/parallel_state_sp.py) are read-only views onto it; no module keeps a group
 of its own. When the default process group is replaced (destroy_process_group, then a new
 init), the next `current_layout()` sees a different world and starts a new layout for it,

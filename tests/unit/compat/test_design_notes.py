@@ -64,4 +64,5 @@ def test_the_checks_can_fail(tmp_path) -> None:
     (package / "a.py").write_text('"""[Note: real]\ntext, and see [Note: ghost]."""\n# [Note: comment one]\n')
     assert definitions(package) == {"real": {"pkg/a.py"}, "comment one": {"pkg/a.py"}}
     assert citations([package / "a.py"]) == {"real", "ghost", "comment one"}
-    assert index("<!-- notes -->\n| note | file |\n|---|---|\n| real | zeroshard/x.py |\n") == {"real": "zeroshard/x.py"}
+    table = "<!-- notes -->\n| note | file |\n|---|---|\n| real | zeroshard/x.py |\n"
+    assert index(table) == {"real": "zeroshard/x.py"}

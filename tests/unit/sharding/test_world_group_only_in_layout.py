@@ -27,7 +27,7 @@ def test_world_group_called_only_in_comm_and_layout() -> None:
 
 def test_no_module_level_group_tables() -> None:
     """The former globals (expert groups, the sequence mpu's groups and mpu) are gone."""
-    from zeroshard.groups import expert_data as groups
+    from zeroshard import groups
     from zeroshard.groups import sequence as sequence_groups
     from zeroshard.sequence import parallel_state_sp
 
