@@ -80,8 +80,11 @@ OUTPUT_TAIL_LINES = 40
 # a process group or touched a GPU, so forking it carries none of fork()'s usual hazards.
 # "spawn" starts each worker from scratch; set the variable to "spawn" to rule the
 # forkserver out when debugging something odd.
+# torch._dynamo too: the first torch.optim optimizer a process builds imports it (with sympy),
+# 1.4 CPU-s per worker measured here, paid again by every worker of every pool start (eight
+# workers: 11 CPU-s, six seconds of the CI's two cores). Imported once in the server, it is 0.25.
 START_METHOD_ENV = "ZEROSHARD_DIST_START_METHOD"
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pytest"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest"]
 
 TaskFn = Callable[..., Any] | str
 # Tells a worker to leave; a pickled task never equals it (pickles start with b"\x80").
