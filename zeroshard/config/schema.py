@@ -109,6 +109,9 @@ class ZeroshardExtras(_Section):
         peak_tflops: this device's peak TFLOP/s, the flops_profiler's MFU denominator
             (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
             of the profile (zeroshard/monitor/flops.py).
+        deterministic_reduction: sum each step's micro-batch gradients in one fixed pairwise
+            tree, so 1, 2, 4, 8, ... ranks train bit for bit alike (docs/deterministic-reduction.md;
+            the configs where it cannot hold are refused: zeroshard/config/deterministic.py).
     """
 
     unit_module_classes: list[str] | None = None
@@ -117,6 +120,7 @@ class ZeroshardExtras(_Section):
     skip_nonfinite_steps: bool = True
     collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
+    deterministic_reduction: bool = False
 
 
 class ZeroshardConfig(_Section):

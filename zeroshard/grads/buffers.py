@@ -134,7 +134,7 @@ class FlatGradients:
         return flat.shard_of(full) if flat.policy.shard_optimizer else full
 
     # -------------------------------------------------------------- reduction
-    def begin_reduction(self) -> tuple[torch.Tensor, bool]:
+    def begin_reduction(self, allow_in_place: bool = True) -> tuple[torch.Tensor, bool]:
         """Hand the local gradient to the reducer: (the settled local buffer, in place).
 
         In place when nothing reduced is waiting at stages 0-1: the local buffer becomes the
@@ -147,7 +147,8 @@ class FlatGradients:
         local = self.settled_local()
         flat = self.flat
         in_place = (
-            self.reduced is None
+            allow_in_place
+            and self.reduced is None
             and local.dtype == flat.role.grad_accum_dtype
             and not flat.policy.reduce_every_backward
         )

@@ -16,6 +16,7 @@ import warnings
 
 from zeroshard.config.accumulation import unmanaged_accumulation_problems
 from zeroshard.config.base import _is_auto, _show
+from zeroshard.config.deterministic import deterministic_reduction_problems
 from zeroshard.config.error import raises_deepspeed_error
 from zeroshard.config.offload import offload_stage_problems
 from zeroshard.config.schema import (
@@ -70,6 +71,8 @@ def resolve_config(
     if not tainted & {"zero_optimization", "managed_gradient_accumulation"}:
         problems.extend(unmanaged_accumulation_problems(cfg))
     problems.extend(p for section, p in group_size_problems(cfg, world_size) if section not in tainted)
+    if not tainted & {"zeroshard", "sequence_parallel_size", "expert_parallel", "managed_gradient_accumulation"}:
+        problems.extend(deterministic_reduction_problems(cfg, world_size))
     optimizer = cfg.optimizer
     if optimizer is not None and "optimizer" not in tainted:
         if optimizer.type.lower() == "muon":

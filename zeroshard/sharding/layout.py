@@ -85,6 +85,7 @@ class ShardingSpec:
     placement: str = "device"
     param_placement: str = "device"
     pin_memory: bool = False
+    shard_align: int = 1  # shard sizes are a multiple of this (the deterministic reduction's norm blocks)
 
     @property
     def replication(self) -> int:

@@ -1,0 +1,153 @@
+"""`"zeroshard": {"deterministic_reduction": true}`: the same bits at 1, 2, 4 and 8 ranks.
+
+Each step holds N = W x GAS = 8 micro-batches of 2 rows (so GAS = 8, 4, 2, 1). For stages 0-3 in
+fp32 and bf16, 10 AdamW steps with clipping active: the full fp32 masters, both AdamW moments and
+every step's grad norm are bitwise equal to W = 1's (zero tolerance: the mode's promise), at W = 2
+for the whole grid and at W = 4 and W = 8 for half of it each (every stage in both dtypes between
+them; the whole grid at every W is benchmarks/deterministic_reduction.py, kept out of the suite's
+time). The first step's reduced gradient is bitwise the tree of the 8 micro-batch gradients
+computed here by plain torch (the independent reference: `tree` below, written from the
+definition in zeroshard/grads/tree_reduce.py's note). A checkpoint saved at W = 4 after step 5
+and resumed at W = 2 and W = 8 ends step 10 bitwise where the uninterrupted W = 4 run does.
+The control: the default reduction at W = 4 does not give W = 1's bits (so the comparison can
+fail). The wider grid (torch_autocast, fp16, Muon, offload, ...) is benchmarks/deterministic_reduction.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.dist.reference import build_model, global_batches
+
+WORLD_SIZES = (1, 2, 4, 8)
+MICRO_BATCHES = 8  # W x GAS at every world size
+MICRO = 2  # rows per micro-batch
+STEPS = 10
+STAGES = (0, 1, 2, 3)
+MODES = ("fp32", "bf16")
+GRID = [{"name": f"s{stage}-{mode}", "stage": stage, "mode": mode} for stage in STAGES for mode in MODES]
+# The cases each world size runs (W = 8 costs the most: eight processes on the CI's two cores).
+AT_WORLD = {
+    1: [spec["name"] for spec in GRID],
+    2: [spec["name"] for spec in GRID],
+    4: ["s0-bf16", "s1-fp32", "s2-bf16", "s3-bf16"],
+    8: ["s0-fp32", "s1-bf16", "s2-fp32", "s3-fp32"],
+}
+RESUMED = ("s1-fp32", "s3-bf16")  # saved at W = 4 after step 5, resumed at W = 2 and W = 8
+SAVE_AT = 5
+CONTROL = {"name": "control-default-s2-fp32", "stage": 2, "mode": "fp32", "deterministic": False}
+TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def runs(dist_pool, tmp_path_factory):
+    """Per world size, the grid's results; W = 4 also saves the resumed cases' checkpoints, which
+    W = 2 and W = 8 then load (`resumed`); W = 1 and W = 4 also run the default-mode control."""
+    root = tmp_path_factory.mktemp("deterministic")
+    save = {name: str(root / name) for name in RESUMED}
+    task = "tests.dist.scenarios.deterministic"
+    out: dict[int, dict] = {}
+    def grid(world: int) -> list[dict]:
+        return [spec for spec in GRID if spec["name"] in AT_WORLD[world]]
+
+    grid4 = [dict(spec, save_dir=save[spec["name"]], save_at=SAVE_AT) if spec["name"] in save else spec
+             for spec in grid(4)]
+    out[4] = dist_pool(4).run(f"{task}:train_cases", grid4 + [CONTROL], timeout=TIMEOUT_S)[0]
+    resume = [dict(spec, load_dir=save[spec["name"]]) for spec in GRID if spec["name"] in save]
+    resumed = {}
+    for world in (2, 8):
+        pool = dist_pool(world)
+        out[world] = pool.run(f"{task}:train_cases", grid(world), timeout=TIMEOUT_S)[0]
+        resumed[world] = pool.run(f"{task}:resume_cases", resume, timeout=TIMEOUT_S)[0]
+    out[1] = dist_pool(1).run(f"{task}:train_cases", grid(1) + [CONTROL], timeout=TIMEOUT_S)[0]
+    return out, resumed
+
+
+def differing(a, b, where: str = "") -> list[str]:
+    """Where two nested results differ bitwise (tensors by torch.equal, dtype included)."""
+    if isinstance(a, dict):
+        return [d for key in a for d in differing(a[key], b[key], f"{where}.{key}")]
+    if isinstance(a, (list, tuple)):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differing(x, y, f"{where}[{i}]")]
+    if isinstance(a, torch.Tensor):
+        return [] if a.dtype == b.dtype and torch.equal(a, b) else [where]
+    return [] if a == b else [where]
+
+
+@pytest.mark.parametrize("world_size", (2, 4, 8))
+def test_same_bits_at_every_world_size(runs, world_size: int) -> None:
+    out, _ = runs
+    for name in AT_WORLD[world_size]:
+        diff = differing(out[1][name], out[world_size][name])
+        assert not diff, f"{name}: W={world_size} differs from W=1 at {diff[:5]}"
+
+
+def test_the_default_reduction_depends_on_the_world_size(runs) -> None:
+    """The control: without the mode, W = 4 and W = 1 end apart (so the test above can fail)."""
+    out, _ = runs
+    name = CONTROL["name"]
+    assert differing(out[1][name]["master"], out[4][name]["master"])
+
+
+def tree(values: list[torch.Tensor]) -> torch.Tensor:
+    """The fixed pairwise tree: adjacent pairs summed, an odd last value carried up."""
+    while len(values) > 1:
+        pairs = [values[i] + values[i + 1] for i in range(0, len(values) - 1, 2)]
+        values = pairs + values[len(values) - len(values) % 2 :]
+    return values[0]
+
+
+def micro_batch_gradients(mode: str) -> list[dict[str, torch.Tensor]]:
+    """Each of step 1's 8 micro-batches' gradients (of its mean loss), by plain torch on the
+    unwrapped model in the mode's parameter dtype, as fp32. On one thread, as the pool's workers
+    run: a CPU matmul's summation order depends on the thread count (the mode's docs say so)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _micro_batch_gradients(mode)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _micro_batch_gradients(mode: str) -> list[dict[str, torch.Tensor]]:
+    model = build_model(0)
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    tokens, targets = global_batches(0, 1, MICRO_BATCHES * MICRO)[0]
+    grads = []
+    for k in range(MICRO_BATCHES):
+        copy_ = copy.deepcopy(model)
+        rows = slice(k * MICRO, (k + 1) * MICRO)
+        copy_(tokens[rows], targets[rows]).backward()
+        grads.append({n: p.grad.float() for n, p in copy_.named_parameters() if p.grad is not None})
+    return grads
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_first_gradient_is_the_tree_of_the_micro_batch_gradients(runs, mode: str) -> None:
+    out, _ = runs
+    grads = micro_batch_gradients(mode)
+    # Each leaf divided by N = 8 (exact: a power of two), then the tree, in fp32.
+    expected = {name: tree([g[name] / MICRO_BATCHES for g in grads]) for name in grads[0]}
+    for world in WORLD_SIZES:
+        for stage in STAGES:
+            name = f"s{stage}-{mode}"
+            if name not in AT_WORLD[world]:
+                continue
+            got = out[world][name]["grad0"]
+            for name, want in expected.items():
+                assert got[name].dtype == torch.float32
+                assert torch.equal(got[name], want), f"W={world} stage {stage} {mode}: {name}"
+
+
+@pytest.mark.parametrize("world_size", (2, 8))
+def test_resume_at_another_world_size(runs, world_size: int) -> None:
+    out, resumed = runs
+    for name in RESUMED:
+        got = resumed[world_size][name]
+        assert got["global_steps"] == STEPS
+        diff = differing(out[4][name]["master"], got["master"]) + differing(out[4][name]["state"], got["state"])
+        assert not diff, f"{name}: saved at W=4, resumed at W={world_size}: differs at {diff[:5]}"
