@@ -41,7 +41,8 @@ class MicroBatchSampler(Sampler[list[int]]):
         train_batch_size: samples per optimizer step over every rank (the epoch is a whole
             number of these).
         num_replicas, rank: the data-parallel ranks and this one.
-        shuffle, seed, drop_last: as DistributedSampler's; `set_epoch` too.
+        shuffle, seed, drop_last: as DistributedSampler's; `set_epoch` too. `set_start_step`
+            starts an epoch at one of its optimizer steps.
     """
 
     def __init__(
@@ -74,17 +75,26 @@ class MicroBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
+        self.start_step = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def set_start_step(self, step: int) -> None:
+        """Start the epoch at its optimizer step `step` (a resumed or replayed run), skipping the
+        micro-batches of the steps before it."""
+        if not 0 <= step * self.train_batch_size < max(1, self._epoch_samples()):
+            raise ValueError(f"step={step}: an epoch here has {self._epoch_samples() // self.train_batch_size} steps.")
+        self.start_step = step
 
     def _epoch_samples(self) -> int:
         full, rest = divmod(self.dataset_size, self.train_batch_size)
         return (full if self.drop_last or rest == 0 else full + 1) * self.train_batch_size
 
     def __len__(self) -> int:
-        """Micro-batches this rank reads per epoch."""
-        return self._epoch_samples() // (self.micro_batch_size * self.num_replicas)
+        """Micro-batches this rank reads in the epoch (from its start step)."""
+        samples = self._epoch_samples() - self.start_step * self.train_batch_size
+        return samples // (self.micro_batch_size * self.num_replicas)
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
@@ -98,7 +108,8 @@ class MicroBatchSampler(Sampler[list[int]]):
             order += order[: total - len(order)]
         order = order[:total]
         b = self.micro_batch_size
-        for k in range(self.rank, total // b, self.num_replicas):
+        first = self.start_step * self.train_batch_size // b
+        for k in range(first + self.rank, total // b, self.num_replicas):
             yield order[k * b : (k + 1) * b]
 
 

@@ -72,10 +72,15 @@ def pairwise_sum_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 def pairwise_sum(values: torch.Tensor) -> torch.Tensor:
-    """tree(values) of a 1-D tensor, as a 0-d tensor (zeros appended at the end change nothing)."""
-    if values.numel() == 0:
+    """tree(values) of a 1-D tensor, as a 0-d tensor. Zeros appended at the end change no level
+    of the tree (x + 0 == x, 0 + 0 == 0), so the values are padded to a power of two and halved
+    by strided adds: log2(n) operations, however many values."""
+    n = values.numel()
+    if n == 0:
         return values.new_zeros(())
-    return pairwise_sum_rows(values.clone())
+    padded = values.new_zeros(1 << (n - 1).bit_length())
+    padded[:n] = values
+    return pairwise_sum_rows(padded)
 
 
 class PairwiseStack:
@@ -118,12 +123,12 @@ def block_square_sums(shard: torch.Tensor, block: int = NORM_BLOCK_NUMEL) -> tor
     is left). Only elementwise operations, so a block gives the same bits wherever it sits, on any
     device and thread count (a reduction kernel picks its order by shape and threads)."""
     x = shard.reshape(-1, block).float()
-    x = x * x
+    x = x * x  # a new tensor: the halving below adds in place, into its first halves
     width = block
     while width > 1:
         width //= 2
-        x = x[:, :width] + x[:, width:]
-    return x.reshape(-1)
+        x[:, :width].add_(x[:, width : 2 * width])
+    return x[:, 0].clone()
 
 
 class TreeReducer(GradientReducer):

@@ -18,6 +18,7 @@ from typing import Any
 from zeroshard.config.monitor import monitor_destinations
 from zeroshard.config.preemption import signal_number
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
+from zeroshard.grads.tree_reduce import NORM_BLOCK_NUMEL
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
 from zeroshard.resolve import resolve_config
 from zeroshard.tools.memory import MemoryEstimate, bytes_per_param, estimate_for_config, optimizer_state_count
@@ -166,6 +167,7 @@ def explain_data(
         "moe": None,
         "autoep": _autoep_given(config) if config.expert_parallel.enabled else None,
         "checkpointing": _checkpointing(config),
+        "reduction": _reduction(config, world_size),
     }
     estimate: MemoryEstimate | None = None
     if model_spec is not None:
@@ -260,6 +262,28 @@ def _placement(config: ZeroshardConfig) -> dict[str, Any]:
         "optimizer_step": "host CPU (fused CPU Adam)" if zero.optimizer_offload else "device",
         "pin_memory": zero.offload_pin_memory,
     }
+
+
+def _reduction(config: Any, world_size: int) -> dict[str, Any]:
+    """How a step's gradients are summed (docs/deterministic-reduction.md)."""
+    data = max(1, world_size // config.sequence_parallel_size)
+    micro_batches = data * config.gradient_accumulation_steps
+    return {
+        "deterministic": config.zeroshard.deterministic_reduction,
+        "micro_batches_per_step": micro_batches,
+        "shard_align": NORM_BLOCK_NUMEL if config.zeroshard.deterministic_reduction else 1,
+    }
+
+
+def _reduction_line(reduction: dict[str, Any]) -> str:
+    n = reduction["micro_batches_per_step"]
+    if reduction["deterministic"]:
+        return (f"reduction: deterministic, one pairwise tree over the {n} micro-batches of a step: the same bits "
+                "at every power-of-two world size (or any, without accumulation) with this micro-batch and "
+                f"train_batch_size; shards cut at multiples of {reduction['shard_align']} "
+                "(zeroshard.deterministic_reduction)")
+    return ("reduction: the collectives' order, which depends on the world size "
+            "(zeroshard.deterministic_reduction: the same bits at any world size)")
 
 
 def _checkpointing(config: ZeroshardConfig) -> dict[str, Any]:
@@ -370,6 +394,7 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     console.print(table)
     keys = precision.get("overflow_keys") or "always with fp16 loss scaling"
     console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']} ({keys})")
+    console.print(_reduction_line(data["reduction"]))
     console.print(f"floating buffers: {precision.get('buffers', 'own dtype')} (data_types.buffer_dtype)")
     place = data["placement"]
     console.print(

@@ -66,6 +66,20 @@ def runs(dist_pool, tmp_path_factory):
     return out, resumed
 
 
+def test_the_replay_example(dist_pool, tmp_path) -> None:
+    """docs/deterministic-reduction.md's recipe: a step of a 2-process run (dropout on, the engine's
+    loader) replayed on one process has the recorded losses, grad norm and parameters, bitwise."""
+    task = "tests.dist.scenarios.deterministic:run_example"
+    status, printed = dist_pool(2).run(task, "deterministic_replay.py", "--dir", str(tmp_path), "--steps", "3",
+                                       timeout=TIMEOUT_S)[0]
+    assert status == 0 and printed.count("(world 2)") == 3, printed
+    status, printed = dist_pool(1).run(task, "deterministic_replay.py", "--dir", str(tmp_path), "--replay-step",
+                                       "2", timeout=TIMEOUT_S)[0]
+    assert printed.count("micro-batch ") == 8, printed
+    assert ("losses same bits: True" in printed and "same bits: True, parameters after the step same bits: True"
+            in printed and status == 0), printed
+
+
 def differing(a, b, where: str = "") -> list[str]:
     """Where two nested results differ bitwise (tensors by torch.equal, dtype included)."""
     if isinstance(a, dict):

@@ -26,14 +26,14 @@ STATE_KEYS = {"AdamW": ("exp_avg", "exp_avg_sq"), "Muon": ("momentum_buffer", "e
 
 
 def det_case(stage: int, mode: str, micro_batches: int, steps: int, extra: dict | None = None,
-             deterministic: bool = True) -> Case:
+             deterministic: bool = True, model_kwargs: dict | None = None) -> Case:
     """`micro_batches` (W x GAS) micro-batches of 2 rows per step at this world size."""
     world = dist.get_world_size()
     merged = dict(DETERMINISTIC) if deterministic else {}
     for key, value in (extra or {}).items():
         merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
     return Case(stage=stage, mode=mode, micro=2, ga=micro_batches // world, steps=steps, extra=merged,
-                keep=("grad0",))
+                keep=("grad0",), model_kwargs=model_kwargs or {})
 
 
 def final_state(engine, optimizer: str = "AdamW") -> dict[str, Any]:
@@ -43,14 +43,14 @@ def final_state(engine, optimizer: str = "AdamW") -> dict[str, Any]:
 
 
 def train_cases(cases: list[dict[str, Any]], micro_batches: int = 8, steps: int = 10) -> dict[str, Any] | None:
-    """Each case (keys: name, stage, mode, and optionally extra, deterministic, optimizer, save_dir,
-    save_at) trained `steps` steps; per name: the full masters and optimizer state after the last
+    """Each case (keys: name, stage, mode, and optionally extra, deterministic, model_kwargs, optimizer,
+    save_dir, save_at) trained `steps` steps; per name: the full masters and optimizer state after the last
     step, the grad norms, and the first step's reduced gradient. With save_dir, a checkpoint is
     saved there after step save_at (the run goes on)."""
     out = {}
     for spec in cases:
         case = det_case(spec["stage"], spec["mode"], micro_batches, steps, spec.get("extra"),
-                        spec.get("deterministic", True))
+                        spec.get("deterministic", True), spec.get("model_kwargs"))
         engine = build_engine(case)
         save_dir, save_at = spec.get("save_dir"), spec.get("save_at")
 
@@ -84,3 +84,27 @@ def resume_cases(cases: list[dict[str, Any]], micro_batches: int = 8, steps: int
         out[spec["name"]] = record
         engine.destroy()
     return out if dist.get_rank() == 0 else None
+
+
+def run_example(name: str, *args: str) -> tuple[int, str]:
+    """Run examples/NAME with `args` as its __main__ in this worker (its group is torchrun's
+    stand-in); (exit status, what rank 0 printed)."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "examples" / name
+    out = io.StringIO()
+    saved = sys.argv
+    sys.argv = [str(path), *args]
+    status = 0
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exc:
+        status = exc.code or 0
+    finally:
+        sys.argv = saved
+    return status, out.getvalue()

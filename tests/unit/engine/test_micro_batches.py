@@ -86,3 +86,17 @@ def test_micro_batch_rng_draws_from_its_seed_and_restores_the_stream():
     assert torch.equal(first, again)
     assert torch.equal(torch.rand(3), outside)  # the program's own stream went on untouched
     assert torch.equal(first, torch.rand(4, generator=torch.Generator().manual_seed(42)))
+
+
+def test_an_epoch_can_start_at_a_step():
+    """A replay (or resume) at another world size reads the same micro-batches from step 2 on."""
+    whole = by_global_index(1, seed=5)
+    for world in (1, 2, 8):
+        for rank in range(world):
+            sampler = MicroBatchSampler(SAMPLES, MICRO, TRAIN_BATCH, world, rank, seed=5)
+            sampler.set_start_step(2)
+            batches = list(sampler)
+            assert len(batches) == len(sampler) == 8 // world
+            assert batches == [whole[k] for k in range(16 + rank, 24, world)]
+    with pytest.raises(ValueError, match=r"step=3: an epoch here has 3 steps"):
+        MicroBatchSampler(SAMPLES, MICRO, TRAIN_BATCH, 1, 0).set_start_step(3)

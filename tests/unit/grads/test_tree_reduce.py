@@ -59,6 +59,8 @@ def test_rows_and_stack_are_the_tree(n: int) -> None:
     assert stack.count == n
     assert torch.equal(stack.total(), expected)
     assert stack.count == 0  # total() starts the next accumulation
+    column = values[:, 0].contiguous()
+    assert torch.equal(pairwise_sum(column), tree(list(column)))  # padded to a power of two: the same tree
 
 
 @pytest.mark.parametrize("total", [8, 12, 24, 64])
