@@ -200,7 +200,8 @@ def main() -> None:
         if recorded:
             tiny = unit_sizes("tiny-test")
             print(f"\nbytes a rank sends per step, fp32, TinyModel ({sum(tiny)} parameters, {len(tiny)} units), "
-                  f"N = {args.micro_batches} micro-batches (recorded; formula in brackets)")
+                  f"N = {args.micro_batches} micro-batches (recorded; formula in brackets). Each tiny unit is "
+                  "padded to W x 4096 elements, so the ratio here is the padding's; a real model's is below.")
             print(f"{'stage':>5} {'W':>3} {'GAS':>3} {'default':>12} {'deterministic':>14} {'ratio':>6}")
             result["recorded"] = recorded
             for world, rows in recorded.items():

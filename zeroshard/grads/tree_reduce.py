@@ -253,8 +253,9 @@ class TreeReducer(GradientReducer):
                     self.landing(flat, 0, flat.shard_numel)
                 continue
             # Stages 0-1: every rank holds the whole reduced gradient (param.grad's views, stage 0's
-            # full master), gathered in the accumulation dtype.
-            full = grads.reduced_full_buffer()
+            # full master), gathered in the accumulation dtype into the local buffer, whose values
+            # were sent at the last micro-step.
+            full = grads.reduced_full_in_local()
             source = total if total.dtype == full.dtype else total.to(full.dtype)
             spec = flat.spec
             gathers.setdefault((full.dtype, spec.shard.ranks), (spec, []))[1].append(GatherPiece(source, full))
