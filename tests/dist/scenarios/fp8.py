@@ -44,9 +44,14 @@ def batches(seed: int, steps: int, rows: int, seq: int) -> list[torch.Tensor]:
     return [torch.stack([corpus[s : s + seq + 1] for s in row.tolist()]) for row in starts]
 
 
-def build(stage: int, fp8: bool, seed: int, micro: int, ga: int, preset: str = "tiny"):
+def build(stage: int, fp8: bool, seed: int, micro: int, ga: int, preset: str = "tiny", emulate: bool = True,
+          **overrides: Any):
+    """The engine of the demo GPT `preset` (GPTConfig `overrides`), bf16 or fp8."""
     torch.manual_seed(seed)
-    engine, *_ = zeroshard.initialize(model=build_gpt(preset), config=gpt_config(stage, fp8, micro, ga))
+    config = gpt_config(stage, fp8, micro, ga)
+    if fp8:
+        config["zeroshard"]["fp8"]["emulate"] = emulate
+    engine, *_ = zeroshard.initialize(model=build_gpt(preset, **overrides), config=config)
     return engine
 
 
@@ -57,7 +62,7 @@ def train(engine, data: list[torch.Tensor], micro: int, ga: int) -> list[float]:
     for batch in data:
         total = torch.zeros((), dtype=torch.float64)
         for j in range(ga):
-            rows = batch[(j * world + rank) * micro : (j * world + rank + 1) * micro]
+            rows = batch[(j * world + rank) * micro : (j * world + rank + 1) * micro].to(engine.device)
             _, loss = engine(rows[:, :-1], rows[:, 1:])
             engine.backward(loss)
             engine.step()
