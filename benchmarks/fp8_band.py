@@ -33,9 +33,9 @@ WINDOW = 10  # the last steps averaged into L
 
 def run_seed(stage: int, fp8: bool, seed: int, steps: int, micro: int, seq: int) -> dict:
     """Rank side: one training run; the per-step losses (every rank's mean) and seconds."""
-    from tests.dist.scenarios.fp8 import batches, build, train
-
     import torch.distributed as dist
+
+    from tests.dist.scenarios.fp8 import batches, build, train
 
     data = batches(seed, steps, dist.get_world_size() * micro, seq)
     engine = build(stage, fp8, seed, micro, 1)

@@ -19,20 +19,23 @@ from torch import nn
 
 from zeroshard.precision.fp8 import Fp8Settings, fp8_linear_plan
 
-# torchao's import logs a warning for each compiled extension its CPU wheel cannot load (the
-# CUDA kernels); they are not used by float8 training's matmuls.
-logging.getLogger("torchao").setLevel(logging.ERROR)
-
+# torchao's import logs a warning for each compiled extension it cannot load here (its CUDA
+# kernels on a CPU machine); float8 training's matmuls do not use them. Quiet during the import only.
+_torchao_log = logging.getLogger("torchao")
+_level = _torchao_log.level
+_torchao_log.setLevel(logging.ERROR)
 try:
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, LinearMMConfig
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 except ImportError as exc:  # pragma: no cover - exercised where torchao is missing
     raise ImportError(
         f"zeroshard.fp8.enabled=true: needs torchao, which does not import here ({exc}). "
         "Install it with `pip install 'zeroshard[fp8]'`, or set zeroshard.fp8.enabled=false."
     ) from exc
+finally:
+    _torchao_log.setLevel(_level)
 
 __all__ = ["FP8_GATHERED", "Fp8Linear", "fp8_cast", "fp8_device_problem", "fp8_scale", "swap_to_fp8"]
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from zeroshard.cli import main
-from zeroshard.resolve import resolve_config
 from zeroshard.config.schema import ConfigError
 from zeroshard.models.gpt import build_gpt
 from zeroshard.precision.fp8 import Fp8Settings, fp8_linear_plan
 from zeroshard.precision.plan import GROUP_ALL, GROUP_FP8, assign_param_groups
+from zeroshard.resolve import resolve_config
 
 F32, BF16, E4M3 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
 
