@@ -99,7 +99,7 @@ def fp8_linear_plan(model: nn.Module, settings: Fp8Settings) -> list[Fp8Choice]:
         elif pattern is not None:
             fp8, reason = False, f'listed in zeroshard.fp8.exclude_modules ("{pattern}")'
         elif module is head:
-            fp8, reason = False, "the output layer (LM head): its logits feed the loss"
+            fp8, reason = False, "the output layer (LM head)"
         elif shared:
             fp8, reason = False, f"weight shared with {shared[0]}"
         elif min(n_in, n_out) < settings.min_features:
