@@ -10,6 +10,8 @@ Linears in fp8 with min_features 16) at stages 0-3 with gradient accumulation 2,
   bf16's), twice per micro-step (forward and backward), and issues one fp8_amax all-reduce per
   optimizer step; everything else is gathered in bf16.
 - The losses follow the bf16 run's within FIRST_STEPS_BAND (below).
+- Readers: GatheredParameters inside a unit gathered in fp8, and a use of an fp8 weight from
+  outside its unit, read the bf16 values (the master cast), and the forward goes on in fp8.
 - Resume: saving after two steps and loading into an engine built from another seed continues
   bitwise as the uninterrupted run (fp8 is never saved; the scales are recomputed after load).
 """
@@ -53,6 +55,9 @@ def test_fp8_stages_accumulation_collectives_and_resume(dist_pool) -> None:
         bf16 = losses["bf16"]
         assert losses[3] != bf16
         assert max(abs(a - b) for a, b in zip(losses[3], bf16, strict=True)) < FIRST_STEPS_BAND, (losses[3], bf16)
+
+        # Readers of an fp8 weight while its unit computes from fp8 bytes get the bf16 values.
+        assert out["readers"] == {"inside": True, "outside": True, "same_loss": True}, out["readers"]
 
         resumed = out["resumed"]
         assert resumed["losses"] == losses[3], (resumed["losses"], losses[3])

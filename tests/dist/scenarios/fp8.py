@@ -100,6 +100,40 @@ def fp8_numels(engine) -> dict[str, int]:
     return {"flats": len(flats), "padded": sum(flat.padded_numel for flat in flats)}
 
 
+def readers(batch: torch.Tensor, micro: int) -> dict[str, Any]:
+    """Stage 3: code that reads an fp8 Linear's weight while its unit is gathered in fp8 (the
+    placeholder of zeroshard/sharding/fp8_gather.py's note) gets its values: GatheredParameters
+    inside the unit's forward, and a use from outside the unit (the root's forward). Each read is
+    compared with the master cast to bf16; the forward's loss with the same forward unhooked."""
+    from zeroshard import safe_get_full_fp32_param
+    from zeroshard.zero import GatheredParameters
+
+    engine = build(3, True, 0, micro, 1)
+    model = engine.module
+    inside, outside = model.blocks[0].mlp.c_fc.weight, model.blocks[1].mlp.c_proj.weight
+    expected = [safe_get_full_fp32_param(w).to(torch.bfloat16) for w in (inside, outside)]
+    seen: dict[str, torch.Tensor] = {}
+
+    def in_unit(module, args):
+        with GatheredParameters([inside]):
+            seen["inside"] = inside.detach().clone()
+
+    def from_root(module, args):
+        seen["outside"] = (outside * 1).detach()  # a use from outside block 1
+
+    rows = batch[dist.get_rank() * micro : (dist.get_rank() + 1) * micro]
+    with torch.no_grad():
+        _, plain = engine(rows[:, :-1], rows[:, 1:])
+        handles = [model.blocks[0].mlp.register_forward_pre_hook(in_unit),
+                   model.register_forward_pre_hook(from_root)]
+        _, hooked = engine(rows[:, :-1], rows[:, 1:])
+    for handle in handles:
+        handle.remove()
+    engine.destroy()
+    return {"inside": torch.equal(seen["inside"], expected[0]), "outside": torch.equal(seen["outside"], expected[1]),
+            "same_loss": torch.equal(plain, hooked)}
+
+
 def stages_accumulation_resume(steps: int = 3, micro: int = 2, ga: int = 2, seq: int = 32) -> dict[str, Any]:
     """One pooled task: the fp8 run at stages 0-3 with accumulation, the bf16 run beside it, the
     stage-3 collectives, and a resume at stage 3 (save after step 2, load into a new engine)."""
@@ -121,6 +155,7 @@ def stages_accumulation_resume(steps: int = 3, micro: int = 2, ga: int = 2, seq:
     engine = build(3, False, 0, micro, ga)
     out["losses"]["bf16"] = train(engine, data, micro, ga)
     engine.destroy()
+    out["readers"] = readers(data[0], micro)
 
     # Resume: two steps, save, a new engine loads and takes the third step.
     with tempfile.TemporaryDirectory() as scratch:
