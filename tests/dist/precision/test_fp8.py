@@ -10,6 +10,8 @@ Linears in fp8 with min_features 16) at stages 0-3 with gradient accumulation 2,
   bf16's), twice per micro-step (forward and backward), and issues one fp8_amax all-reduce per
   optimizer step; everything else is gathered in bf16.
 - The losses follow the bf16 run's within FIRST_STEPS_BAND (below).
+- The rowwise recipe at stage 3 gathers in bf16 (no fp8 gather, no amax all-reduce) and its
+  first loss is as close to bf16's.
 - Readers: GatheredParameters inside a unit gathered in fp8, and a use of an fp8 weight from
   outside its unit, read the bf16 values (the master cast), and the forward goes on in fp8.
 - Resume: saving after two steps and loading into an engine built from another seed continues
@@ -55,6 +57,12 @@ def test_fp8_stages_accumulation_collectives_and_resume(dist_pool) -> None:
         bf16 = losses["bf16"]
         assert losses[3] != bf16
         assert max(abs(a - b) for a, b in zip(losses[3], bf16, strict=True)) < FIRST_STEPS_BAND, (losses[3], bf16)
+
+        # rowwise: fp8 compute, bf16 gathers (no one fp8 copy serves its two scalings), no amax.
+        rowwise = out["rowwise_collectives"]
+        assert not any("float8" in key or "fp8_amax" in key for key in rowwise), rowwise
+        assert rowwise["all_gather bfloat16 param"][0] > 0
+        assert 0 < abs(out["losses"]["rowwise"][0] - bf16[0]) < FIRST_STEPS_BAND
 
         # Readers of an fp8 weight while its unit computes from fp8 bytes get the bf16 values.
         assert out["readers"] == {"inside": True, "outside": True, "same_loss": True}, out["readers"]

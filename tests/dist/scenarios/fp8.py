@@ -45,12 +45,12 @@ def batches(seed: int, steps: int, rows: int, seq: int) -> list[torch.Tensor]:
 
 
 def build(stage: int, fp8: bool, seed: int, micro: int, ga: int, preset: str = "tiny", emulate: bool = True,
-          **overrides: Any):
+          recipe: str = "tensorwise", **overrides: Any):
     """The engine of the demo GPT `preset` (GPTConfig `overrides`), bf16 or fp8."""
     torch.manual_seed(seed)
     config = gpt_config(stage, fp8, micro, ga)
     if fp8:
-        config["zeroshard"]["fp8"]["emulate"] = emulate
+        config["zeroshard"]["fp8"].update(emulate=emulate, recipe=recipe)
     engine, *_ = zeroshard.initialize(model=build_gpt(preset, **overrides), config=config)
     return engine
 
@@ -156,6 +156,12 @@ def stages_accumulation_resume(steps: int = 3, micro: int = 2, ga: int = 2, seq:
     out["losses"]["bf16"] = train(engine, data, micro, ga)
     engine.destroy()
     out["readers"] = readers(data[0], micro)
+    # The rowwise recipe at stage 3: torchao's rowwise casts at every use, bf16 gathers.
+    engine = build(3, True, 0, micro, ga, recipe="rowwise")
+    with zeroshard.comm.recording() as log:
+        out["losses"]["rowwise"] = train(engine, data[:1], micro, ga)
+    out["rowwise_collectives"] = collectives(log)
+    engine.destroy()
 
     # Resume: two steps, save, a new engine loads and takes the third step.
     with tempfile.TemporaryDirectory() as scratch:
