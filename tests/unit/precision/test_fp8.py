@@ -105,15 +105,15 @@ def test_explain_shows_the_fp8_linears(tmp_path, capsys):
     config = tmp_path / "fp8.json"
     config.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
-        "zeroshard": {"fp8": {"enabled": True, "exclude_modules": ["blocks.0.*"]}},
+        "zeroshard": {"fp8": {"enabled": True, "min_features": 128, "exclude_modules": ["blocks.0.*"]}},
     }))
-    assert main(["explain", str(config), "--model", "1b", "--world-size", "8", "--json"]) == 0
+    assert main(["explain", str(config), "--model", "small", "--world-size", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["precision"]["groups"]["fp8"]["gather"] == "float8_e4m3fn"
     rows = {row["module"]: row for row in data["model"]["fp8"]}
     assert rows["blocks.1.mlp.c_fc"]["fp8"] and not rows["blocks.0.mlp.c_fc"]["fp8"]
-    assert rows["lm_head"]["why"].startswith("weight shared with") or rows["lm_head"]["why"].startswith("the output")
-    assert main(["explain", str(config), "--model", "1b", "--world-size", "8"]) == 0
+    assert rows["lm_head"]["why"] == "the output layer (LM head)"
+    assert main(["explain", str(config), "--model", "small", "--world-size", "8"]) == 0
     text = capsys.readouterr().out
     assert "FP8: which Linear layers compute in fp8" in text and "float8_e4m3fn" in text
 
