@@ -42,6 +42,7 @@ from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
+from zeroshard.config.fp8 import Fp8Config
 from zeroshard.config.integration_values import StepsPerPrint, dotted_top_level_key
 from zeroshard.config.monitor import COMET_REFUSAL, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from zeroshard.config.preemption import PreemptionConfig
@@ -112,6 +113,7 @@ class ZeroshardExtras(_Section):
         deterministic_reduction: sum each step's micro-batch gradients in one fixed pairwise
             tree, so 1, 2, 4, 8, ... ranks train bit for bit alike (docs/deterministic-reduction.md;
             the configs where it cannot hold are refused: zeroshard/config/deterministic.py).
+        fp8: fp8 compute for large Linear layers (zeroshard/config/fp8.py).
     """
 
     unit_module_classes: list[str] | None = None
@@ -121,6 +123,7 @@ class ZeroshardExtras(_Section):
     collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
     deterministic_reduction: bool = False
+    fp8: Fp8Config = Field(default_factory=Fp8Config)
 
 
 class ZeroshardConfig(_Section):
