@@ -45,7 +45,6 @@ from zeroshard.comm import collectives as comm
 from zeroshard.grads.reduce import GradientReducer
 from zeroshard.sharding.flat import FlatParamGroup
 from zeroshard.sharding.gather import GatherPiece, all_gather_shards
-from zeroshard.sharding.layout import ShardingSpec
 from zeroshard.sharding.streams import COMPUTE, NULL_STREAMS, REDUCE, StreamSet
 
 # Elements per block of the deterministic norm, and the multiple every shard's size is cut at
@@ -191,14 +190,16 @@ class TreeReducer(GradientReducer):
             rows = rows.contiguous()  # row r (what rank r receives) contiguous
         # Allocated on the compute stream, alive until compute waits on the reduction, as the
         # default reducer's buffers are ([Note: streams and events]).
-        received = torch.empty_like(rows)  # row r: rank r's values of this rank's columns
+        # Row r: rank r's values of this rank's columns (a group of one: the rows themselves).
+        received = torch.empty_like(rows) if spec.shard.size > 1 else rows
         self._issued_count += 1
         bucket.label = f"bucket-{self._issued_count}"
         streams = self.streams
         produced = streams.record(COMPUTE, f"produced:{bucket.label}")
         with streams.on(REDUCE):
             streams.wait(REDUCE, produced)
-            bucket.work = comm.all_to_all_single(received, rows, group=spec.shard, tag="grad", async_op=True)
+            if spec.shard.size > 1:
+                bucket.work = comm.all_to_all_single(received, rows, group=spec.shard, tag="grad", async_op=True)
         bucket.staging, bucket.result = rows, received
         self._issued.append(bucket)
 
@@ -232,7 +233,6 @@ class TreeReducer(GradientReducer):
 
     def _fold(self) -> None:
         expected = self._accumulation_steps()
-        gathers: dict[tuple, tuple[ShardingSpec, list[GatherPiece]]] = {}
         for flat in self._flats:
             stack = self._stacks[id(flat)]
             if stack.count != expected:
@@ -249,24 +249,15 @@ class TreeReducer(GradientReducer):
             grads = flat.grads
             if flat.policy.scatter:
                 grads.reduced_buffer().copy_(total)
-                if self.landing is not None and flat.policy.shard_optimizer:
-                    self.landing(flat, 0, flat.shard_numel)
-                continue
-            # Stages 0-1: every rank holds the whole reduced gradient (param.grad's views, stage 0's
-            # full master), gathered in the accumulation dtype into the local buffer, whose values
-            # were sent at the last micro-step.
-            full = grads.reduced_full_in_local()
-            source = total if total.dtype == full.dtype else total.to(full.dtype)
-            spec = flat.spec
-            gathers.setdefault((full.dtype, spec.shard.ranks), (spec, []))[1].append(GatherPiece(source, full))
-        for (dtype, _), (spec, pieces) in gathers.items():
-            all_gather_shards(
-                pieces, group=spec.shard, tag="grad", wire_dtype=dtype, bucket_numel=self.bucket_numel
-            ).wait()
-        if self.landing is not None:
-            for flat in self._flats:
-                if flat.policy.shard_optimizer and not flat.policy.scatter:
-                    self.landing(flat, 0, flat.shard_numel)
+            else:
+                # Stages 0-1: every rank holds the whole reduced gradient (param.grad's views, stage
+                # 0's full master), gathered in the accumulation dtype into the local buffer, whose
+                # values were sent at the last micro-step: this rank's sum is cast into its slot and
+                # the gather fills the rest in place (one collective per flat, no staging buffer).
+                full = grads.reduced_full_in_local()
+                all_gather_shards([GatherPiece(total, full, in_place=True)], group=flat.spec.shard, tag="grad").wait()
+            if self.landing is not None and flat.policy.shard_optimizer:
+                self.landing(flat, 0, flat.shard_numel)
 
     def drop_accumulated(self) -> None:
         """zero_grad() (or a refused step): forget this accumulation's partial sums."""
