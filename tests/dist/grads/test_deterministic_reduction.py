@@ -15,12 +15,10 @@ fail). The wider grid (torch_autocast, fp16, Muon, offload, ...) is benchmarks/d
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from tests.dist.reference import build_model, global_batches
+from tests.dist.scenarios.deterministic import reference_micro_batch_gradients, tree
 
 WORLD_SIZES = (1, 2, 4, 8)
 MICRO_BATCHES = 8  # W x GAS at every world size
@@ -106,38 +104,15 @@ def test_the_default_reduction_depends_on_the_world_size(runs) -> None:
     assert differing(out[1][name]["master"], out[4][name]["master"])
 
 
-def tree(values: list[torch.Tensor]) -> torch.Tensor:
-    """The fixed pairwise tree: adjacent pairs summed, an odd last value carried up."""
-    while len(values) > 1:
-        pairs = [values[i] + values[i + 1] for i in range(0, len(values) - 1, 2)]
-        values = pairs + values[len(values) - len(values) % 2 :]
-    return values[0]
-
-
 def micro_batch_gradients(mode: str) -> list[dict[str, torch.Tensor]]:
-    """Each of step 1's 8 micro-batches' gradients (of its mean loss), by plain torch on the
-    unwrapped model in the mode's parameter dtype, as fp32. On one thread, as the pool's workers
-    run: a CPU matmul's summation order depends on the thread count (the mode's docs say so)."""
+    """Step 1's micro-batch gradients by plain torch, on one thread as the pool's workers run: a
+    CPU matmul's summation order depends on the thread count (the mode's docs say so)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _micro_batch_gradients(mode)
+        return reference_micro_batch_gradients(mode, torch.device("cpu"), MICRO_BATCHES, MICRO)
     finally:
         torch.set_num_threads(threads)
-
-
-def _micro_batch_gradients(mode: str) -> list[dict[str, torch.Tensor]]:
-    model = build_model(0)
-    if mode == "bf16":
-        model = model.to(torch.bfloat16)
-    tokens, targets = global_batches(0, 1, MICRO_BATCHES * MICRO)[0]
-    grads = []
-    for k in range(MICRO_BATCHES):
-        copy_ = copy.deepcopy(model)
-        rows = slice(k * MICRO, (k + 1) * MICRO)
-        copy_(tokens[rows], targets[rows]).backward()
-        grads.append({n: p.grad.float() for n, p in copy_.named_parameters() if p.grad is not None})
-    return grads
 
 
 @pytest.mark.parametrize("mode", MODES)

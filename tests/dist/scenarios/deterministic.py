@@ -7,10 +7,13 @@ Every rank takes part in every collective; only rank 0 returns the (full) tensor
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from tests.dist.reference import build_model, global_batches
 from tests.dist.scenarios.common import (
     Case,
     build_engine,
@@ -108,3 +111,31 @@ def run_example(name: str, *args: str) -> tuple[int, str]:
     finally:
         sys.argv = saved
     return status, out.getvalue()
+
+
+def tree(values: list[torch.Tensor]) -> torch.Tensor:
+    """The fixed pairwise tree, from its definition: adjacent pairs summed, an odd last value
+    carried up, until one is left (independent of zeroshard's code)."""
+    while len(values) > 1:
+        pairs = [values[i] + values[i + 1] for i in range(0, len(values) - 1, 2)]
+        values = pairs + values[len(values) - len(values) % 2 :]
+    return values[0]
+
+
+def reference_micro_batch_gradients(mode: str, device: torch.device, micro_batches: int = 8,
+                                    micro: int = 2) -> list[dict[str, torch.Tensor]]:
+    """Each of step 1's micro-batch gradients (of its mean loss; micro-batch k holds rows
+    k*micro .. of the global batch), by plain torch on the unwrapped TinyModel in the mode's
+    parameter dtype on `device`, as fp32."""
+    model = build_model(0)
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    model = model.to(device)
+    tokens, targets = (t.to(device) for t in global_batches(0, 1, micro_batches * micro)[0])
+    grads = []
+    for k in range(micro_batches):
+        replica = copy.deepcopy(model)
+        rows = slice(k * micro, (k + 1) * micro)
+        replica(tokens[rows], targets[rows]).backward()
+        grads.append({n: p.grad.float() for n, p in replica.named_parameters() if p.grad is not None})
+    return grads
