@@ -29,6 +29,7 @@ from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.monitor.attach import build_monitoring
+from zeroshard.monitor.master import MonitorMaster
 from zeroshard.optim.muon.qk_clip.attach import attach_qk_clip
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
@@ -74,6 +75,9 @@ class Engine(HFCompat, EngineAPI):
         # Sequence ranks share samples: gradients average over data-parallel replicas only.
         self.data_parallel_size = self.layout.data_parallel_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # DeepSpeed's monitors first: one that cannot start refuses the config on every rank
+        # before the model is touched (zeroshard/monitor/master.py).
+        self.monitor = MonitorMaster(config, self.global_rank, self.layout.world)
         self.device = select_device(model)
         # Not moved yet: cast first, then each unit's flat buffer is built on the device one at
         # a time (at stage 3 only its shard stays there), then the rest follows (see below).
@@ -124,8 +128,8 @@ class Engine(HFCompat, EngineAPI):
         )
         # ---- monitoring (zeroshard/monitor/): timers, FLOPs, collectives, MoE figures; DeepSpeed's
         # engine.monitor (csv, tensorboard, wandb) and engine.metrics(), which joins both.
-        self.figures, self.monitor, self.training_figures = build_monitoring(
-            self.module, config, self.device, self.global_rank, self.optimizer, fp16=plan.mode == "fp16"
+        self.figures, self.training_figures = build_monitoring(
+            self.module, config, self.device, self.global_rank, self.optimizer, self.monitor, fp16=plan.mode == "fp16"
         )
         self.timers = self.figures.timers
         attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)
