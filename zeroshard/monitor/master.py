@@ -46,19 +46,19 @@ def build_sinks(config: ZeroshardConfig) -> list[Sink]:
         if config.csv_monitor.enabled:
             from zeroshard.monitor.csv_monitor import CsvMonitor
 
-            section = config.csv_monitor
+            csv = config.csv_monitor
             try:
-                sinks.append(CsvMonitor(section.output_path, section.job_name))
+                sinks.append(CsvMonitor(csv.output_path, csv.job_name))
             except OSError as error:
-                raise ConfigError(_folder_problem("csv_monitor", section.output_path, section.job_name, error)) from error
+                raise ConfigError(_folder_problem("csv_monitor", csv.output_path, csv.job_name, error)) from error
         if config.tensorboard.enabled:
             from zeroshard.monitor.tensorboard_monitor import TensorBoardMonitor
 
-            section = config.tensorboard
+            tb = config.tensorboard
             try:
-                sinks.append(TensorBoardMonitor(section.output_path, section.job_name))
+                sinks.append(TensorBoardMonitor(tb.output_path, tb.job_name))
             except OSError as error:
-                raise ConfigError(_folder_problem("tensorboard", section.output_path, section.job_name, error)) from error
+                raise ConfigError(_folder_problem("tensorboard", tb.output_path, tb.job_name, error)) from error
         if config.wandb.enabled:
             from zeroshard.monitor.wandb_monitor import WandbMonitor
 

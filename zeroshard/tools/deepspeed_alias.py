@@ -189,7 +189,9 @@ def _refuse_shadowing(target: Path) -> None:
     resolved = [Path(p).resolve() for p in entries]
     before = entries[: resolved.index(target.resolve())] if target.resolve() in resolved else entries
     found = deepspeed_shadow.first_deepspeed([os.getcwd(), *before])
-    if found is None or found.resolve() == (target / DISTRIBUTION).resolve() or deepspeed_shadow.is_alias_package(found):
+    if found is None or found.resolve() == (target / DISTRIBUTION).resolve():
+        return
+    if deepspeed_shadow.is_alias_package(found):
         return
     raise AliasError(
         f"{found} would be imported as `deepspeed` instead of the alias (it comes first on sys.path or is in the "

@@ -215,14 +215,15 @@ THRESHOLD = 0.035  # the tiny Llama's logits are 0.03-0.05: some heads clipped a
 
 
 def _llama_engine():
-    import zeroshard
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zeroshard
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
-    config = {"train_micro_batch_size_per_gpu": 2,
-              "optimizer": {"type": "Muon", "params": {"lr": 0.02, "qk_clip": {"enabled": True, "threshold": THRESHOLD}}}}
+    muon = {"lr": 0.02, "qk_clip": {"enabled": True, "threshold": THRESHOLD}}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Muon", "params": muon}}
     engine, *_ = zeroshard.initialize(model=model, config=config, dist_init_required=False)
     return engine
 
