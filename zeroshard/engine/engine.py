@@ -38,6 +38,7 @@ from zeroshard.sharding.offload import OffloadPlan, place_layout
 from zeroshard.sharding.registry import ParamRegistry
 from zeroshard.sharding.streams import streams_for
 from zeroshard.step.optimizer_step import OptimizerStep
+from zeroshard.zero.param_attributes import mark_stage3
 
 if TYPE_CHECKING:
     from zeroshard.config.schema import ZeroshardConfig
@@ -99,6 +100,8 @@ class Engine(HFCompat, EngineAPI):
             transforms.group_of, self._param_group_name, streams,
         )
         self.flats = [f for unit in self.units for f in unit.flats]
+        # Stage 3: DeepSpeed's ds_id, ds_persist, ... on each parameter (zeroshard/zero/param_attributes.py).
+        mark_stage3(model, self.flats, stage3=not self.policy.keep_full_params)
         # The trainable parameters are views of the flats, already on the device; this moves
         # the buffers and frozen parameters. So the device never holds the whole fp32 model:
         # at most the cast model (stages 0-2) or one unit's full flat beside the shards (stage 3).
