@@ -220,7 +220,7 @@ def _llama_engine():
     import zeroshard
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
     muon = {"lr": 0.02, "qk_clip": {"enabled": True, "threshold": THRESHOLD}}
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Muon", "params": muon}}
