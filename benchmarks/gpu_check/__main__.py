@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.gpu_check.report import Report, Skip
+from benchmarks.process_group import close_group
 from benchmarks.process_group import init_group_of_one as init_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     table = report.table()
     (args.outdir / "gpu_check.txt").write_text(table + "\n")
     print(table, flush=True)
-    dist.destroy_process_group()
+    close_group()  # every row's engines and FSDP2 models are gone first (benchmarks/process_group.py)
     return 0 if all(r.status != "FAIL" for r in report.rows) else 1
 
 
