@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import compat as _compat
-from zeroshard.comm import faults
+from zeroshard.comm import faults, simulated
 
 __all__ = [
     "Group",
@@ -57,7 +57,8 @@ def set_timeout(group: Group, seconds: float) -> None:
     """Make `seconds` the timeout of `group`'s collectives (a group this process already has)."""
     global _timeout_s
     _timeout_s = seconds
-    if group.handle is not None:
+    # A simulated group never waits for a peer (zeroshard/comm/simulated.py): no timeout to set.
+    if group.handle is not None and not simulated.is_simulated(group.handle):
         _compat.set_group_timeout(group.handle, timedelta(seconds=seconds))
 
 
