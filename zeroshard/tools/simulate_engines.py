@@ -176,7 +176,7 @@ class FSDP2Runner(_Runner):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         with torch.device("meta"):
             model = build()
-        mesh = init_device_mesh(device.type, (simulated.current().world_size,))
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))  # simulated or real
         extras = resolved.zeroshard
         # Stage 3 frees each block's parameters after its forward; below, they stay gathered
         # from forward to backward (FSDP2's ZeRO-2-like setting).
