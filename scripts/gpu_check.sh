@@ -9,7 +9,7 @@
 # --nproc N (N > 1) runs benchmarks/gpu_check/multi.py under torchrun: the conformance matrix at
 # world N (NCCL; gloo with --device cpu) and the model benchmark (zeroshard stages 0-3, DDP, FSDP2;
 # tokens/s per GPU, peak memory, exposed communication). --simulated adds the simulated scaling
-# rows (g/: zeroshard simulate, benchmarks/simulate_scale.py's grid) to the one-device check.
+# rows (h/: zeroshard simulate, benchmarks/simulate_scale.py's grid) to the one-device check.
 #
 # With a .whl/ folder in the repository root (scripts/gpu_wheels.sh fills it), its wheels are
 # installed first with no network into $GPU_CHECK_SITE (default /tmp/site), put ahead on

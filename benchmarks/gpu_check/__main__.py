@@ -53,7 +53,7 @@ def muon_row(device: torch.device, outdir: Path) -> dict:
 
 
 def simulated_rows(row, device: torch.device) -> None:
-    """Check g: zeroshard simulate's scaling grid (benchmarks/simulate_scale.py; on the CPU its first
+    """Check h: zeroshard simulate's scaling grid (benchmarks/simulate_scale.py; on the CPU its first
     row), zeroshard beside FSDP2, and the world-1 row against a real world-1 run (within 10%)."""
     from benchmarks import simulate_scale
 
@@ -73,7 +73,7 @@ def simulated_rows(row, device: torch.device) -> None:
                         **{f"exposed_{n}_s": fabrics[n]["exposed_comm_s"] for n in fabrics},
                         **{f"modelled_{n}_s": fabrics[n]["modelled_comm_s"] for n in fabrics}}
 
-            row(f"g/simulated {model} W={world} s{stage} {engine}", check, 300)
+            row(f"h/simulated {model} W={world} s{stage} {engine}", check, 300)
     model, overrides, _, stage, seq = grid[0]
 
     def world_one():
@@ -82,7 +82,7 @@ def simulated_rows(row, device: torch.device) -> None:
             return "FAIL", numbers, f"simulated world-1 compute step {numbers['ratio']:.3f}x the real world-1 step"
         return numbers
 
-    row(f"g/simulated {model} world-1 vs real", world_one, 300)
+    row(f"h/simulated {model} world-1 vs real", world_one, 300)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the exploratory run: a 30 s model benchmark")
     parser.add_argument("--only", default="", help="comma-separated row-name prefixes to run (debugging)")
     parser.add_argument("--simulated", action="store_true",
-                        help="add the simulated scaling rows (g/, zeroshard simulate; ~10 min on an H200)")
+                        help="add the simulated scaling rows (h/, zeroshard simulate; ~10 min on an H200)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but no CUDA device is available", file=sys.stderr)
