@@ -45,6 +45,12 @@ different groups overlap. A collective's tensors stay referenced by its work unt
 as gloo's and NCCL's work hold them while the collective runs: a buffer its caller drops right
 after issuing is freed at the same point as on real ranks (the same peak memory).
 
+The engine asks `zeroshard.comm.collectives.backend_name` which backend runs a group, and a
+simulated group answers for the one it stands in for: "nccl" on CUDA, "gloo" on the CPU. So the
+engine chooses as on real ranks: the reduce bucket's default size (one unit on NCCL, DeepSpeed's
+5e8 elements on gloo: zeroshard/grads/reduce.py) and, on the CPU, gloo's reduce-scatter carried
+out as an all-reduce of the whole buffer (timed by the fabric as the all-reduce it is).
+
 Why not torch's fake backend (torch.testing._internal.distributed.fake_pg): its work completes
 at once in C++ (no timed wait can be placed on it), its all-reduce and all-to-all leave their
 outputs unwritten (an uneven all-to-all's counts are then garbage and its token exchange
@@ -73,6 +79,7 @@ __all__ = [
     "world",
     "current",
     "is_simulated",
+    "emulated_backend",
     "SimulatedWorldError",
     "refuse_in_simulation",
 ]
@@ -125,6 +132,15 @@ def current() -> SimulatedWorld | None:
     if _current is not None and not (dist.is_available() and dist.is_initialized()):
         return None
     return _current
+
+
+def emulated_backend(handle: object) -> str | None:
+    """For a simulated group: the backend a real run would use, "nccl" on CUDA, "gloo" on the
+    CPU (zeroshard.comm.collectives.backend_name answers with it, so the engine chooses as on
+    real ranks); None for any other group."""
+    if not isinstance(handle, SimulatedProcessGroup):
+        return None
+    return "nccl" if handle._sim.device == "cuda" else "gloo"
 
 
 def is_simulated(handle: object = None) -> bool:

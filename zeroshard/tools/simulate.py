@@ -328,7 +328,8 @@ def _timed_step(runner, tokens: Callable[[], torch.Tensor], gas: int, device: to
 
 def _modelled_seconds(per_step: list[dict], fabric: Fabric) -> float:
     """The fabric's time for one step's collectives, one after another (nothing hidden)."""
-    return sum(fabric.seconds(row["op"], row["bytes"], row["group_size"]) * row["count"] for row in per_step)
+    return sum(fabric.seconds(row.get("via", row["op"]), row["bytes"], row["group_size"]) * row["count"]
+               for row in per_step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,9 +362,10 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         "simulated collectives per step:",
     ]
     for row in report["collectives"]:
+        via = f" (as {row['via']}, the backend's choice)" if "via" in row else ""
         lines.append(
             f"simulated   {row['op']:<15} x{row['count']:<4} over {row['group_size']} ranks, {row['dtype']}, "
-            f"{_human(row['bytes'])} each"
+            f"{_human(row['bytes'])} each{via}"
         )
     if "fabric" in report:
         fab = report["fabric"]

@@ -91,14 +91,19 @@ class _Runner:
         raise NotImplementedError
 
 
-def summarize(entries: list[tuple[str, int, torch.dtype | None, int]]) -> list[dict]:
-    """[(op, group size, dtype, bytes)] -> one row per distinct collective with its count."""
+def summarize(entries: list[tuple[str, int, torch.dtype | None, int, str]]) -> list[dict]:
+    """[(op, group size, dtype, bytes, via)] -> one row per distinct collective with its count;
+    `via` (the collective that carried it out, e.g. gloo's reduce-scatter as an all-reduce) only
+    where there is one."""
     counts = Counter(entries)
-    return [
-        {"op": op, "group_size": size, "dtype": str(dtype).removeprefix("torch.") if dtype else None,
-         "bytes": nbytes, "count": count}
-        for (op, size, dtype, nbytes), count in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[0][3]))
-    ]
+    rows = []
+    for (op, size, dtype, nbytes, via), count in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[0][3])):
+        row = {"op": op, "group_size": size, "dtype": str(dtype).removeprefix("torch.") if dtype else None,
+               "bytes": nbytes, "count": count}
+        if via:
+            row["via"] = via
+        rows.append(row)
+    return rows
 
 
 class ZeroshardRunner(_Runner):
@@ -139,7 +144,7 @@ class ZeroshardRunner(_Runner):
     @contextlib.contextmanager
     def recording(self) -> Iterator[Callable[[], list[dict]]]:
         with comm.recording() as log:
-            yield lambda: summarize([(r.op, len(r.group), r.dtype, r.bytes) for r in log.records])
+            yield lambda: summarize([(r.op, len(r.group), r.dtype, r.bytes, r.via) for r in log.records])
 
 
 class FSDP2Runner(_Runner):
@@ -233,7 +238,7 @@ class FSDP2Runner(_Runner):
         before, sim.log = sim.log, []
         try:
             log = sim.log
-            yield lambda: summarize([(c.kind, c.group_size, c.dtype, c.nbytes) for c in log])
+            yield lambda: summarize([(c.kind, c.group_size, c.dtype, c.nbytes, "") for c in log])
         finally:
             sim.log = before
 

@@ -31,6 +31,8 @@ def test_world_is_torch_default_group(sim) -> None:
     assert dist.get_backend() == f"cpu:{simulated.BACKEND}"
     assert simulated.current() is sim and simulated.is_simulated()
     assert simulated.is_simulated(comm.world_group())
+    # The engine's backend-dependent choices are gloo's on the CPU (NCCL's on CUDA).
+    assert comm.backend_name(comm.world_group()) == "gloo"
 
 
 def test_not_simulated_outside() -> None:
