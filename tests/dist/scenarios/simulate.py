@@ -41,10 +41,8 @@ def measure_real(raw: dict, model: str, repeats: int) -> list[dict]:
 
 
 def measure_simulated(runs: list[tuple[dict, str, int, int, bool]]) -> list[dict]:
-    """Each (config, model, world size, rank, zero_init) simulated in this process, whose own
-    gloo group is destroyed first (the pool starts fresh workers afterwards)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Each (config, model, world size, rank, zero_init) simulated in this process (which must
+    have no process group: a simulated world is the default group)."""
     reports = []
     for raw, model, world, rank, zero_init in runs:
         options = SimulateOptions(raw, world, rank, model=model, seq=SEQ, steps=1, warmup=WARMUP, zero_init=zero_init)

@@ -8,7 +8,10 @@ by the engine) through the same measuring code (zeroshard.tools.simulate.train_a
 - the recorder's collectives per step (op, group size, dtype, bytes, count): equal;
 - peak allocated memory (above what was allocated before): within 5% (tools/peak_memory.py
   leaves out gloo's own buffers and pauses the garbage collector, whose timing moved a real
-  gloo rank's peak by a gradient bucket between identical runs; measured 0-1% here).
+  gloo rank's peak by a gradient bucket between identical runs; measured 0-1% here). The real
+  peak is the lower of two runs: gloo's worker threads release a finished collective's tensors
+  when the OS schedules them, which on this oversubscribed machine (4 ranks, 2 cores) kept a
+  buffer alive past the next allocation in about 1 run in 20, only ever raising the real peak.
 At 64 and 512 ranks, stage 3 fp32 built under zero.Init, the model states per rank equal the
 formula 16 bytes x parameters / W (fp32 master, gradient and AdamW's two moments) plus the
 persistent units' full parameters (units under stage3_param_persistence_threshold stay
@@ -45,16 +48,18 @@ def _formula(world: int, whole_bytes: int, threshold: int = 100_000) -> float:
 
 
 @pytest.fixture(scope="module")
-def simulated(dist_pool) -> list[dict]:
+def simulated() -> list[dict]:
+    """Every simulated rank, in this process (a simulated world needs no other; each run makes and
+    destroys its own default group). Peaks are compared above each measurement's baseline."""
     runs = [(REAL_RUNS[world], "tiny", world, world - 1, False) for world in REAL_RUNS]
     runs += [({**BASE, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}},
               FORMULA_MODEL, world, rank, True) for world, rank in FORMULA_RUNS]
-    return dist_pool(1).run(measure_simulated, runs, timeout=300)[0]
+    return measure_simulated(runs)
 
 
 @pytest.mark.parametrize("world", sorted(REAL_RUNS))
 def test_simulated_rank_matches_a_real_one(dist_pool, simulated, world) -> None:
-    real = dist_pool(world).run(measure_real, REAL_RUNS[world], "tiny", 1, timeout=300)[world - 1]
+    real = dist_pool(world).run(measure_real, REAL_RUNS[world], "tiny", 2, timeout=300)[world - 1]
     sim = simulated[sorted(REAL_RUNS).index(world)]
     label = f"W={world} stage {REAL_RUNS[world]['zero_optimization']['stage']}"
     assert sim["simulated"] is True and (sim["world_size"], sim["rank"]) == (world, world - 1)
@@ -63,8 +68,9 @@ def test_simulated_rank_matches_a_real_one(dist_pool, simulated, world) -> None:
         assert sim["model_states_bytes"] == ref["model_states_bytes"], label
         assert sim["collectives"] == ref["collectives"], label
     peak = sim["peak_device_allocated_bytes"] - sim["device_baseline_bytes"]
-    real_peak = min(ref["peak_device_allocated_bytes"] - ref["device_baseline_bytes"] for ref in real)
-    assert abs(peak - real_peak) <= PEAK_TOLERANCE * real_peak, f"{label}: simulated {peak} vs real {real_peak}"
+    real_peaks = [ref["peak_device_allocated_bytes"] - ref["device_baseline_bytes"] for ref in real]
+    real_peak = min(real_peaks)
+    assert abs(peak - real_peak) <= PEAK_TOLERANCE * real_peak, f"{label}: simulated {peak} vs real {real_peaks}"
 
 
 @pytest.mark.parametrize("index", range(len(FORMULA_RUNS)))
