@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["ACTIVATIONS", "HOST", "Ledger", "Peak"]
 
 ACTIVATIONS = "activations"
-HOST = "host "  # a label starting with this lives in host memory (offloaded states, landing buffers)
+HOST = "host:"  # a label starting with this lives in host memory (offloaded states, landing buffers)
 PLACES = ("device", "host", "all")
 
 

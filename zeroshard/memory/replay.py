@@ -51,18 +51,17 @@ class Terms:
     GRADIENTS = "gradients"
     MASTERS = "master_weights"
     OPTIMIZER_STATE = "optimizer_state"
-    BUFFERS = "buffers and frozen parameters"
-    GATHERED = "gathered units"
-    GATHER_WIRE = "gather buffers"
-    AUTOGRAD_GRADS = "autograd gradients"
-    REDUCE_BUCKETS = "reduce buckets"
-    STEP = "optimizer step transients"
-    PUBLISH = "publish buckets"
+    BUFFERS = "buffers"  # the module's buffers and frozen parameters
+    GATHERED = "gathered_units"
+    GATHER_WIRE = "gather_buffers"
+    REDUCE_BUCKETS = "reduce_buckets"
+    STEP = "optimizer_step"
+    PUBLISH = "publish_buckets"
     HOST_MASTERS = HOST + "master_weights"
     HOST_OPTIMIZER_STATE = HOST + "optimizer_state"
     HOST_PARAMS = HOST + "params"
-    HOST_GRADS = HOST + "gradient landing buffers"
-    HOST_STEP = HOST + "optimizer step transients"
+    HOST_GRADS = HOST + "gradient_landing"
+    HOST_STEP = HOST + "optimizer_step"
 
     MODEL_STATES = (PARAMS, GRADIENTS, MASTERS, OPTIMIZER_STATE)
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.memory.replay import EngineReplay, ReplayFlat, Terms
 from zeroshard.optim import build_optimizer as build_named_optimizer
 from zeroshard.optim.build import build_host_optimizer
 from zeroshard.optim.muon import optimizer as muon
+from zeroshard.optim.state_dtype_adamw import StateDtypeAdamW
 from zeroshard.precision.plan import PrecisionPlan
 from zeroshard.sharding.gather import MAX_IN_FLIGHT
 
@@ -31,6 +33,29 @@ def _replay_gather(flat: Any, source: torch.Tensor, target: torch.Tensor, wire_d
     """ShardedMuon's gather, by sizes: all_gather_shards of one whole piece copies its source to
     the wire dtype and gathers straight into the target; nothing moves here."""
     source.to(dtype=wire_dtype or target.dtype, copy=True)
+
+
+class _HostCounter(torch.Tensor):
+    """A step counter read on the host: optim/foreach_adamw.py asks `float(step)`, which a fake
+    tensor cannot answer (it has no value). This one answers 1.0 (the first step's) and takes
+    the increment without a value (nothing else touches a counter)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        if func is torch.ops.aten._foreach_add_.Scalar:
+            return None
+        raise NotImplementedError(f"a replayed step counter supports only the increment, not {func}")
+
+    def __float__(self) -> float:
+        return 1.0
+
+
+def _host_step_counters(optimizer: Any, groups: list[dict[str, Any]]) -> None:
+    """Give the foreach AdamW's `step` counters host values before its first step creates them."""
+    with unset_fake_temporarily():
+        for group in groups:
+            for p in group["params"]:
+                optimizer.state[p].setdefault("step", torch.Tensor._make_subclass(_HostCounter, torch.zeros(())))
 
 
 class StepReplay:
@@ -57,6 +82,7 @@ class StepReplay:
         if muon.is_muon_requested(None, config.optimizer):
             optimizer = muon.build_muon(params, param_groups, self.flats, state_dtype)
             optimizer.gather = _replay_gather
+            _host_step_counters(optimizer, [g for g in optimizer.param_groups if not g["use_muon"]])
             return optimizer
         for group in param_groups:
             group.pop("use_muon")
@@ -66,7 +92,10 @@ class StepReplay:
             # optim/build.py's fused_allowed: masters on an accelerator step with the fused kernel.
             if config.optimizer.type.lower() in ("adam", "adamw") and state_dtype is None:
                 params["fused"] = True
-        return build_named_optimizer(config.optimizer.type, params, param_groups, state_dtype)
+        optimizer = build_named_optimizer(config.optimizer.type, params, param_groups, state_dtype)
+        if isinstance(optimizer, StateDtypeAdamW):
+            _host_step_counters(optimizer, optimizer.param_groups)
+        return optimizer
 
     def _use_muon(self, group: int) -> bool:
         return any(f.shape.use_muon for f in self.flats if f.shape.optimizer_group == group)

@@ -234,11 +234,12 @@ def _measured_pass(ledger: Ledger, replay: EngineReplay, model: nn.Module, spec:
     args, kwargs = inputs
     ledger.enter_phase("forward")
     with forward_context(plan, device_type):
-        output = model(*args, **kwargs)
-    loss = spec.loss(output)
+        # Only the loss is kept: the other outputs (logits) die before the backward, as in a loop
+        # that takes `outputs.loss` (a loop that keeps them holds them through the step).
+        loss = spec.loss(model(*args, **kwargs))
     saved = ledger.by_label[ACTIVATIONS]
     loss.register_hook(lambda grad: replay.start_backward())
     ledger.enter_phase("backward")
     loss.backward()
-    del loss, output
+    del loss
     return saved

@@ -55,6 +55,8 @@ class PhasePeak:
     name: str
     start_bytes: int
     peak_bytes: int
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 @dataclass
@@ -130,7 +132,7 @@ class AllocationTracker:
             if t > end:
                 break
             peak = live if peak is None else max(peak, live)
-        return PhasePeak(name, before, max(before, peak if peak is not None else before))
+        return PhasePeak(name, before, max(before, peak if peak is not None else before), start, end)
 
     @property
     def peak_bytes(self) -> int:
