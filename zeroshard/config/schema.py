@@ -109,6 +109,9 @@ class ZeroshardExtras(_Section):
         peak_tflops: this device's peak TFLOP/s, the flops_profiler's MFU denominator
             (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
             of the profile (zeroshard/monitor/flops.py).
+        memory_budget_gb: GiB (2^30 bytes) a rank may use; `initialize` and the first forward
+            refuse a config whose predicted peak exceeds it (docs/memory.md). Unset: the
+            accelerator's memory (no check on the CPU); null: no check.
     """
 
     unit_module_classes: list[str] | None = None
@@ -117,6 +120,7 @@ class ZeroshardExtras(_Section):
     skip_nonfinite_steps: bool = True
     collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
+    memory_budget_gb: float | None = Field(None, gt=0)
 
 
 class ZeroshardConfig(_Section):
