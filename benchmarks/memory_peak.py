@@ -53,7 +53,8 @@ def grid(presets: dict | None = None, optimizers=("adamw", "muon")) -> list[Cell
 
 
 def cell_config(cell: Cell) -> dict:
-    zero: dict = {"stage": cell.stage}
+    # Stage 3 gathers every unit (the presets' blocks are below the default persistence threshold).
+    zero: dict = {"stage": cell.stage, "stage3_param_persistence_threshold": 0}
     if cell.offload != "none":
         zero["offload_optimizer"] = {"device": "cpu"}
     if cell.offload == "optimizer+params":

@@ -41,7 +41,8 @@ def fake_structure(model: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for p in model.parameters():
         shape = getattr(p, "ds_shape", None) if p.numel() == 0 else None
-        memo[id(p)] = nn.Parameter(torch.empty(shape or p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        full = p.shape if shape is None else shape
+        memo[id(p)] = nn.Parameter(torch.empty(full, dtype=p.dtype), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype)
     return copy.deepcopy(model, memo)

@@ -295,12 +295,17 @@ class EngineReplay:
         self._pending_gathers.pop(index, None)  # the wire buffers die with the completed gather
 
     def _start_gather(self, index: int) -> None:
+        """sharding/flat.py `start_gather` with gather.py's buffers: the full flat; the piece's
+        source (a cast of the master when the wire dtype differs from the parameter's) and the
+        wire output live until the gather completes; the send buffer (the source copied to the wire
+        dtype) until the collective is done: at once with gloo on the CPU, at the wait on an
+        accelerator (the process group keeps its inputs until then)."""
         if not self.sharded[index] or index in self._pending_gathers:
             return
         flats = [f for f in self.unit_flats[index] if f.shape.params_sharded]
         if all(f.full is not None for f in flats):
             return
-        wire_buffers = []
+        pending = []
         for flat in flats:
             shape, role = flat.shape, flat.shape.role
             with self.ledger.label(Terms.GATHERED):
@@ -313,14 +318,15 @@ class EngineReplay:
                     continue  # cast straight into this rank's slot: no buffer of its own
                 else:
                     source = flat.master.to(role.param_dtype)
-                    wire_buffers.append(source)
-                if wire == role.param_dtype:
-                    wire_buffers.append(source.to(dtype=wire, copy=True))
-                else:
-                    rows, cols = shape.shard_size, shape.shard_numel
-                    wire_buffers.append(torch.empty(cols, dtype=wire, device=self.device))
-                    wire_buffers.append(torch.empty(rows, cols, dtype=wire, device=self.device))
-        self._pending_gathers[index] = wire_buffers
+                    pending.append(source)
+                rows, cols = shape.shard_size, shape.shard_numel
+                send = source.to(dtype=wire, copy=True)
+                if wire != role.param_dtype:
+                    pending.append(torch.empty(rows, cols, dtype=wire, device=self.device))  # the output
+                if not self.keep_grads:
+                    pending.append(send)
+                del send
+        self._pending_gathers[index] = pending
 
     def _free(self, index: int) -> None:
         if not self.sharded[index]:

@@ -1,0 +1,160 @@
+"""Host memory of saving, consolidating and loading a checkpoint, against the cap issue 39 sets.
+
+    python benchmarks/checkpoint_host_memory.py [--preset gpt2-124m] [--world-size 2]
+
+W ranks (gloo, CPU) train one step of a demo GPT at stage 3 (bf16, AdamW), then each measures
+its own host peak above what training holds, with the process's anonymous resident memory
+sampled every millisecond (benchmarks/host_memory.py's PeakSampler) and the CPU allocator's
+count (zeroshard.memory.AllocationTracker), while it runs `save_checkpoint`, `save_16bit_model`
+(rank 0 writes) and `load_checkpoint`. The cap per rank is issue 39's: the rank's share of the
+states plus the largest unit plus 10%. Then `zeroshard to-fp32` consolidates the checkpoint in a
+fresh process whose data segment is capped (RLIMIT_DATA) at a quarter of the model's fp32 size
+above its start: it must finish, while the whole-dict consolidation (`consolidate_fp32`) under the
+same cap runs out. Writes benchmarks/results/checkpoint_host_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+MIB = 2**20
+
+
+def _measured(fn) -> dict:
+    """Run fn(); the most anonymous resident bytes above the start, and the allocator's peak."""
+    from benchmarks.host_memory import PeakSampler, rss
+    from zeroshard.memory import AllocationTracker
+
+    gc.collect()
+    start = rss()[1]
+    sampler = PeakSampler().start()
+    with AllocationTracker() as tracker:
+        fn()
+        gc.collect()
+    sampler.stop()
+    return {"rss_anon_bytes": sampler.peak_anon - start, "allocated_bytes": tracker.peak_bytes}
+
+
+def _worker(rank: int, world: int, port: int, preset: str, ckpt: str, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.models import build_gpt
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = build_gpt(preset)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    del model
+    x = torch.randint(0, 256, (1, 32))
+    loss = engine(x, x)[1]
+    engine.backward(loss)
+    engine.step()
+    del loss
+    share = sum(f.master.numel() * f.master.element_size() for f in engine.flats)
+    share += sum(v.numel() * v.element_size() for s in engine.optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0)
+    largest_unit = max(sum(f.padded_numel * f.full.element_size() for f in u.flats) for u in engine.units)
+    cap = int(1.1 * (share + largest_unit))
+    row = {"rank": rank, "share_bytes": share, "largest_unit_bytes": largest_unit, "cap_bytes": cap,
+           "params": sum(f.numel for f in engine.flats)}
+    row["save"] = _measured(lambda: engine.save_checkpoint(ckpt, tag="t"))
+    row["save_16bit"] = _measured(lambda: engine.save_16bit_model(ckpt, "model16.safetensors"))
+    row["load"] = _measured(lambda: engine.load_checkpoint(ckpt, tag="t"))
+    queue.put(row)
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+CONSOLIDATE = r"""
+import os, resource, sys, time
+from benchmarks.host_memory import PeakSampler, rss
+mode, ckpt, out, cap = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+import torch
+from zeroshard.checkpoint import consolidate_fp32, write_fp32
+data = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmData")][0]
+resource.setrlimit(resource.RLIMIT_DATA, (data + cap, resource.RLIM_INFINITY))
+start = rss()[1]
+sampler = PeakSampler().start()
+t = time.perf_counter()
+try:
+    if mode == "streamed":
+        write_fp32(ckpt, out, tag="t")
+    else:
+        state = consolidate_fp32(ckpt, tag="t")
+    ok = True
+except (MemoryError, RuntimeError) as exc:
+    ok = False
+sampler.stop()
+print(ok, sampler.peak_anon - start, round(time.perf_counter() - t, 2))
+"""
+
+
+def _consolidate(mode: str, ckpt: str, out: str, cap: int) -> dict:
+    result = subprocess.run([sys.executable, "-c", CONSOLIDATE, mode, ckpt, out, str(cap)], cwd=REPO,
+                            capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    ok, peak, seconds = (result.stdout.strip().splitlines() or ["False 0 0"])[-1].split()
+    return {"finished": ok == "True", "rss_anon_bytes": int(peak), "seconds": float(seconds),
+            "stderr_tail": result.stderr[-400:] if ok != "True" else ""}
+
+
+def main() -> int:
+    sys.path.insert(0, str(REPO))
+    from benchmarks.host_memory import spawn_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gpt2-124m")
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "ckpt")
+        rows = spawn_ranks(_worker, args.world_size, (args.preset, ckpt), "checkpoint_host_memory", 1800)
+        params = rows[0]["params"]
+        fp32_bytes = 4 * params
+        cap = fp32_bytes // 4
+        consolidate = {mode: _consolidate(mode, ckpt, os.path.join(tmp, f"{mode}.safetensors"), cap)
+                       for mode in ("streamed", "whole")}
+    print(f"{args.preset}: {params:,} parameters, fp32 copy {fp32_bytes / MIB:.1f} MiB; W={args.world_size}, stage 3, "
+          "bf16, AdamW (MiB above what training holds; cap = share + largest unit + 10%)")
+    print(f"{'rank':>4} {'operation':<12} {'RSS anon':>9} {'allocated':>10} {'cap':>8}  within")
+    within = True
+    for row in rows:
+        for op in ("save", "save_16bit", "load"):
+            m = row[op]
+            ok = max(m["rss_anon_bytes"], m["allocated_bytes"]) <= row["cap_bytes"]
+            within &= ok
+            print(f"{row['rank']:>4} {op:<12} {m['rss_anon_bytes'] / MIB:>9.1f} {m['allocated_bytes'] / MIB:>10.1f} "
+                  f"{row['cap_bytes'] / MIB:>8.1f}  {ok}")
+    for mode, c in consolidate.items():
+        print(f"to-fp32 {mode:<9} under RLIMIT_DATA = start + {cap / MIB:.1f} MiB (a quarter of the fp32 copy): "
+              f"{'finished' if c['finished'] else 'ran out'}, RSS anon peak {c['rss_anon_bytes'] / MIB:.1f} MiB, "
+              f"{c['seconds']} s")
+    within &= consolidate["streamed"]["finished"]
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "checkpoint_host_memory.json"
+    out.write_text(json.dumps({"preset": args.preset, "world_size": args.world_size, "params": params,
+                               "fp32_bytes": fp32_bytes, "consolidate_cap_bytes": cap, "ranks": rows,
+                               "consolidate": consolidate, "seconds": round(time.perf_counter() - started, 1)},
+                              indent=1))
+    print(f"wrote {out}")
+    return 0 if within else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
