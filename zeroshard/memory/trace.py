@@ -86,18 +86,34 @@ class StepTrace:
     traced: bool = True  # False: the model's inputs are unknown, no forward was traced
 
 
+# torch.utils.checkpoint keeps the CPU generator's state (torch.get_rng_state(), made outside
+# the dispatcher, so the trace cannot see it) from a unit's forward to its recomputation.
+_CPU_RNG_STATE_BYTES = torch.get_rng_state().numel()
+
+
 class _Checkpointed(nn.Module):
-    """A unit run under non-reentrant activation checkpointing, as `checkpoint(block, x)`."""
+    """A unit run under non-reentrant activation checkpointing, as `checkpoint(block, x)`.
+    `rng_state`: count the CPU generator state it keeps (host memory: on the CPU it is the
+    device's)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
         self.enabled = True
+        self.rng_state = False
+        self._kept: list[torch.Tensor] = []
+        inner.register_forward_pre_hook(self._recomputing)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.enabled and torch.is_grad_enabled():
+            if self.rng_state:
+                self._kept.append(torch.empty(_CPU_RNG_STATE_BYTES, dtype=torch.uint8))
             return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
         return self.inner(*args, **kwargs)
+
+    def _recomputing(self, module: nn.Module, args: Any) -> None:
+        if self._kept and torch._C._current_graph_task_id() != -1:  # the recomputation, in backward
+            self._kept.pop(0)
 
 
 def _wrap_units(model: nn.Module, units: list[UnitShape]) -> list[_Checkpointed]:
@@ -188,6 +204,7 @@ def trace_step(
                 model, spec, inputs, plan, device_type)
     for w in wrappers:
         w.enabled = activation_checkpointing
+        w.rng_state = device_type == "cpu"
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     ledger = Ledger(ignore=trainable)

@@ -14,8 +14,9 @@ trustworthy here:
   on once per process, through ctypes, and costs a hash-map update per allocation. The
   profiler's events (on the measuring thread) then carry the exact global count.
 * The count starts when the flag is set: blocks allocated earlier are unknown to it and their
-  frees are ignored. So a measurement builds what it measures inside the tracker, and the
-  count at the tracker's start is its zero.
+  frees are ignored. The count at the tracker's start is its zero: a block allocated before
+  (and after the flag was set) and freed inside counts below it. So a measurement builds what
+  it measures inside the tracker.
 
 What it sees is every tensor storage of the default CPU allocator, including the workspaces that
 kernels allocate internally (which a TorchDispatchMode, seeing only the outputs of operators,
@@ -73,7 +74,7 @@ class AllocationTracker:
         tracker.phases["step 1"].peak_bytes
 
     Phases may repeat a name; the last one wins. Values are bytes above what was alive when the
-    tracker started (0 at its start).
+    tracker started (0 at its start; below 0 after freeing older memory).
     """
 
     series: list[tuple[int, int]] = field(default_factory=list)  # (time ns, live bytes)
@@ -88,7 +89,7 @@ class AllocationTracker:
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
         with record_function(_ZERO_MARK):
-            self._zero_probe = torch.empty(1)  # its event's total, less its size, is zero
+            torch.empty(1)  # its allocation event's total, less its size, is the zero
         return self
 
     @contextlib.contextmanager
@@ -117,7 +118,7 @@ class AllocationTracker:
         events.sort(key=lambda e: e[0])
         if not events:
             return
-        zero = events[0][2] - events[0][1]
+        zero = events[0][2] - events[0][1]  # the probe's event: the count before it
         self.series = [(t, total - zero) for t, _, total in events]
         for name, start, end in sorted(marks, key=lambda m: m[1]):
             if name != "__zero__":
