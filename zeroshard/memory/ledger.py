@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,8 +64,9 @@ class Ledger(TorchDispatchMode):
         ignore: tensors whose storages are not counted (they exist already).
     """
 
-    def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, ignore: Iterable[torch.Tensor] = (), workspace: Callable[..., int] | None = None) -> None:
         super().__init__()
+        self._workspace = workspace  # (func, args, out) -> bytes a kernel holds inside (workspaces.py)
         self._known = {_key(t) for t in ignore}
         self._live: dict[int, tuple[int, str]] = {}
         self._refs: dict[int, weakref.ref] = {}
@@ -140,4 +141,19 @@ class Ledger(TorchDispatchMode):
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self.add(leaf)
+        if self._workspace is not None and (extra := self._workspace(func, args, out)):
+            self._transient(extra)
         return out
+
+    def _transient(self, nbytes: int) -> None:
+        """Bytes alive only inside the operator just run, with its inputs and output."""
+        name = self._labels[-1]
+        self.by_label[name] += nbytes
+        for place in (place_of(name), "all"):
+            self.now[place] += nbytes
+            self._note(place)
+        if self.phase:
+            self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.now["all"])
+        self.by_label[name] -= nbytes
+        for place in (place_of(name), "all"):
+            self.now[place] -= nbytes

@@ -25,6 +25,7 @@ from zeroshard.memory.layout import UnitShape, model_layout
 from zeroshard.memory.ledger import ACTIVATIONS, Ledger, Peak
 from zeroshard.memory.replay import EngineReplay, Terms
 from zeroshard.memory.replay_step import StepReplay
+from zeroshard.memory.workspaces import workspace_rule
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
 
@@ -153,7 +154,8 @@ def _saved_after_forward(model: nn.Module, spec: ModelSpec, inputs: tuple, plan:
                          device_type: str) -> int:
     """The model alone: bytes its forward leaves saved for backward (and its output)."""
     args, kwargs = inputs
-    ledger = Ledger(ignore=[*model.parameters(), *model.buffers(), *_tensors(inputs)])
+    ledger = Ledger(ignore=[*model.parameters(), *model.buffers(), *_tensors(inputs)],
+                    workspace=workspace_rule(device_type))
     with ledger:
         with forward_context(plan, device_type):
             loss = spec.loss(model(*args, **kwargs))
@@ -176,11 +178,14 @@ def trace_step(
     activation_checkpointing: bool = False,
     device_type: str = "cuda",
     rank: int = 0,
+    both_checkpointing: bool = True,
 ) -> StepTrace:
     """Trace one steady-state training step of `spec` under `config` as rank `rank` of
     `world_size` (see the module docstring). `device_type` "cpu" follows the engine's CPU
     choices (gradient buffers kept, gloo's bucket default, torch's per-tensor AdamW), anything
-    else an accelerator's (buffers freed after the step, the largest flat as bucket, fused AdamW)."""
+    else an accelerator's (buffers freed after the step, the largest flat as bucket, fused AdamW).
+    `both_checkpointing`: also trace a forward under the other activation-checkpointing setting,
+    for the report's `activations` (the peak does not need it)."""
     plan = config.precision_plan
     policy = config.stage_policy
     micro_batch = micro_batch or config.train_micro_batch_size_per_gpu or 1
@@ -196,7 +201,7 @@ def trace_step(
     num_params = sum(p.numel() for p in model.parameters())
     wrappers = _wrap_units(model, units)
     activations: dict[str, int] = {}
-    if inputs is not None:  # the other setting than the measured pass's: a forward alone
+    if inputs is not None and both_checkpointing:  # the other setting than the measured pass's: a forward
         for w in wrappers:
             w.enabled = not activation_checkpointing
         with fake:
@@ -207,7 +212,7 @@ def trace_step(
         w.rng_state = device_type == "cpu"
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    ledger = Ledger(ignore=trainable)
+    ledger = Ledger(ignore=trainable, workspace=workspace_rule(device_type))
     zero = config.zero_optimization
     bucket = zero.reduce_bucket_size
     if "reduce_bucket_size" not in zero.model_fields_set:

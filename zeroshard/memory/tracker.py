@@ -78,6 +78,7 @@ class AllocationTracker:
     """
 
     series: list[tuple[int, int]] = field(default_factory=list)  # (time ns, live bytes)
+    zero_bytes: int = 0  # the global count at the start (tracker values are above it)
     phases: dict[str, PhasePeak] = field(default_factory=dict)
     _profile: object = None
     _marks: list[tuple[str, int, int]] = field(default_factory=list)
@@ -99,6 +100,14 @@ class AllocationTracker:
         with record_function(_PHASE_PREFIX + name):
             yield
 
+    @staticmethod
+    def live_bytes() -> int:
+        """The count now: bytes alive that were allocated since the reporting was switched on
+        (`enable_cpu_memory_reporting`), read through one allocation event."""
+        with AllocationTracker() as probe:
+            pass
+        return probe.zero_bytes
+
     def __exit__(self, *exc_info: object) -> None:
         from torch._C._profiler import _EventType
 
@@ -119,6 +128,7 @@ class AllocationTracker:
         if not events:
             return
         zero = events[0][2] - events[0][1]  # the probe's event: the count before it
+        self.zero_bytes = zero
         self.series = [(t, total - zero) for t, _, total in events]
         for name, start, end in sorted(marks, key=lambda m: m[1]):
             if name != "__zero__":

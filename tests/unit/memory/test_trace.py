@@ -10,14 +10,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zeroshard.memory import AllocationTracker
 from zeroshard.memory.ledger import Ledger
+from zeroshard.memory.workspaces import workspace_rule
 from zeroshard.models import build_gpt
 
 MICRO, SEQ = 4, 64
-# Kernels that take workspaces inside the operator, which a trace of operator outputs cannot see:
-# fp32 has none to speak of here; oneDNN's bf16 matmul reorders its operands into buffers of its
-# own (64 KiB per matmul here), up to 12% of this tiny model's backward alone, 1-3% of a rank's
-# peak once the engine's states count (benchmarks/memory_peak.py). The forwards: equal to the byte.
-BACKWARD_REL = {torch.float32: 0.01, torch.bfloat16: 0.12}
+# Kernels take workspaces inside an operator, which a trace of operator outputs cannot see; the
+# trace adds the one that matters on the CPU (a bf16 matmul's fp32 output, workspaces.py). What is
+# left: the attention backward's per-thread buffers, measured 0.5% of this backward in bf16 and
+# nothing in fp32 (equal to the byte here). The forwards: equal to the byte.
+BACKWARD_REL = {torch.float32: 0.005, torch.bfloat16: 0.02}
 
 
 def _run(model, x, y, mark):
@@ -55,7 +56,7 @@ def test_traced_forward_and_backward_equal_the_allocator(dtype, checkpointing):
             wrapper = _Checkpointed(block)
             wrapper.rng_state = True
             fake_model.blocks._modules[str(i)] = wrapper
-    ledger = Ledger(ignore=[*fake_model.parameters(), fx, fy])
+    ledger = Ledger(ignore=[*fake_model.parameters(), fx, fy], workspace=workspace_rule("cpu"))
     peaks = {}
 
     def mark(name):
