@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             max(left, 20 if args.quick else 60))
     from benchmarks.gpu_check import memory
 
-    for stage in conformance.STAGES:  # issue 39: the predicted peak against the measured one
+    # Issue 39: the predicted peak against the measured one; on the CPU (CI) stages 0 and 3 only.
+    for stage in conformance.STAGES if on_gpu else (0, 3):
         row(f"g/memory s{stage}", lambda s=stage: memory.memory_peak(s, device), 240 if on_gpu else 90)
     report.meta["seconds"] = round(time.perf_counter() - started, 1)
     report._write()
