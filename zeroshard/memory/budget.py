@@ -13,7 +13,7 @@ import torch
 from zeroshard.config.error import ConfigError
 from zeroshard.config.schema import ZeroshardConfig
 
-__all__ = ["GIB", "MemoryBudgetError", "budget_bytes", "refusal"]
+__all__ = ["GIB", "MemoryBudgetError", "budget_bytes", "human_bytes", "refusal"]
 
 GIB = 2**30
 KEY = "zeroshard.memory_budget_gb"
@@ -66,7 +66,8 @@ def budget_bytes(config: ZeroshardConfig, device: torch.device) -> tuple[int | N
     return None, f"{KEY} is not set (on the CPU the check runs only with a budget)"
 
 
-def _gib(nbytes: float) -> str:
+def human_bytes(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (2.50 MiB)."""
     for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= size:
             return f"{nbytes / size:.2f} {unit}"
@@ -77,12 +78,12 @@ def refusal(config: ZeroshardConfig, peak: int, rank: int, phase: str, parts: di
             source: str, what: str = "") -> MemoryBudgetError:
     """The error naming the largest terms of the peak and the knobs that shrink them."""
     largest = sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1])[:3]
-    terms = ", ".join(f"{name} {_gib(value)}" for name, value in largest)
+    terms = ", ".join(f"{name} {human_bytes(value)}" for name, value in largest)
     knobs = "; ".join(f"{name}: {knob(name, config)}" for name, _ in largest if knob(name, config))
     value = source.partition("=")[2] if source.startswith(KEY) else None
     head = f"{KEY}={value}" if value is not None else f"{KEY} (unset: {source})"
     return MemoryBudgetError(
-        f"{head}: the predicted peak{what} on rank {rank} is {_gib(peak)} (in {phase or 'the step'}), above the "
-        f"budget of {_gib(budget)}. Largest terms: {terms}. To shrink them: {knobs}. Or raise {KEY} "
+        f"{head}: the predicted peak{what} on rank {rank} is {human_bytes(peak)} (in {phase or 'the step'}), above the "
+        f"budget of {human_bytes(budget)}. Largest terms: {terms}. To shrink them: {knobs}. Or raise {KEY} "
         f"(null turns the check off)."
     )

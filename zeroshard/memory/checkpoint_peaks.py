@@ -34,7 +34,11 @@ def checkpoint_host_peaks(units: list[UnitShape], config: ZeroshardConfig, devic
         largest_tensor = max(largest_tensor, master, state)
     on_host = device_type == "cpu" or config.zero_optimization.optimizer_offload
     largest_param = max((n for f in flats for n in f.numels), default=0)
-    largest_unit = max((sum(f.padded_numel * f.role.param_dtype.itemsize for f in u.flats) for u in units), default=0)
+    # On the CPU a stage-3 unit gathered for the export is host memory too; on an accelerator
+    # only the tensor on its way to the file is.
+    gathered = device_type == "cpu" and any(f.params_sharded for f in flats)
+    largest_unit = max((sum(f.padded_numel * f.role.param_dtype.itemsize for f in u.flats) for u in units),
+                       default=0) if gathered else 0
     param_itemsize = max((f.role.param_dtype.itemsize for f in flats), default=4)
     return {
         "save": 0 if on_host else largest_tensor,

@@ -118,7 +118,9 @@ class MemoryGuard:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        predicted = self.prediction.as_dict() if self.prediction is not None else None
+        def predicted() -> dict | None:
+            return self.prediction.as_dict() if self.prediction is not None else None
+
         with out_of_memory_report(name, self.rank, self.device, predicted, self.recording):
             yield
 

@@ -16,16 +16,16 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from zeroshard.comm import faults
+from zeroshard.memory.budget import human_bytes
 
 __all__ = ["ZeroshardOutOfMemoryError", "is_out_of_memory", "out_of_memory_report"]
 
-GIB = 2**30
 CPU_OOM_TEXT = ("can't allocate memory", "out of memory")
 SNAPSHOT_ENTRIES = 100_000
 
@@ -52,9 +52,9 @@ def start_recording(device: torch.device) -> bool:
 
 def _actual_peak(device: torch.device) -> str:
     if device.type == "cuda" and torch.cuda.is_available():
-        return f"{torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB allocated at most"
+        return f"{human_bytes(torch.cuda.max_memory_allocated(device))} allocated at most"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return f"{rss / GIB:.2f} GiB resident at most (the process, on the host)"
+    return f"{human_bytes(rss)} resident at most (the process, on the host)"
 
 
 def _snapshot(device: torch.device, rank: int, recording: bool) -> str:
@@ -78,9 +78,10 @@ def describe_phase(phase: str) -> str:
 
 
 @contextlib.contextmanager
-def out_of_memory_report(phase: str, rank: int, device: torch.device, predicted: dict | None,
+def out_of_memory_report(phase: str, rank: int, device: torch.device, prediction: Callable[[], dict | None],
                          recording: bool = False) -> Iterator[None]:
-    """Run a phase; re-raise an out-of-memory error inside it with the report (see the module)."""
+    """Run a phase; re-raise an out-of-memory error inside it with the report (see the module).
+    `prediction()`: the latest prediction's dict (plan.py), read when the error happens."""
     previous, faults.where.phase = faults.where.phase, phase
     try:
         yield
@@ -89,9 +90,11 @@ def out_of_memory_report(phase: str, rank: int, device: torch.device, predicted:
             raise
         where = describe_phase(faults.where.phase or phase)
         step = f" at step {faults.where.step}" if faults.where.step is not None else ""
+        predicted = prediction()
         if predicted:
-            guess = (f"predicted peak {predicted['device_peak_bytes'] / GIB:.2f} GiB (in {predicted['peak_phase']}; "
-                     f"this phase {predicted['phase_peaks'].get(phase.split()[0], 0) / GIB:.2f} GiB)")
+            this = predicted["phase_peaks"].get(phase.split()[0])
+            guess = (f"predicted peak {human_bytes(predicted['device_peak_bytes'])} (in {predicted['peak_phase']}"
+                     + (f"; this phase {human_bytes(this)})" if this is not None else ")"))
         else:
             guess = "no prediction (the memory check was off: set zeroshard.memory_budget_gb to run it)"
         raise ZeroshardOutOfMemoryError(

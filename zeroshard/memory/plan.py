@@ -135,7 +135,7 @@ def predict_memory(
     if not on_cpu:
         assumptions.append(f"reserved: {RESERVED_RATIO} x the allocated peak, the median of one H100 run "
                            "(docs/benchmarks.md); not measured on this model")
-        assumptions.append("activations traced with the CPU's kernels (flash attention on both)")
+        assumptions.append("activations traced with the CPU's kernels and autocast policy (flash attention on both)")
     return MemoryPlan(
         world_size=world_size, device=device_type, micro_batch=micro_batch, seq=seq,
         activation_checkpointing=activation_checkpointing, device_peak_bytes=device_peak, peak_phase=peak.phase,

@@ -32,7 +32,7 @@ shows up as a miss in tests/dist/memory/test_peak_grid.py and benchmarks/memory_
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,8 +63,6 @@ class Terms:
     HOST_GRADS = HOST + "gradient_landing"
     HOST_STEP = HOST + "optimizer_step"
 
-    MODEL_STATES = (PARAMS, GRADIENTS, MASTERS, OPTIMIZER_STATE)
-
 
 @dataclass
 class ReplayFlat:
@@ -79,7 +77,6 @@ class ReplayFlat:
     reduced: torch.Tensor | None = None
     reduced_full: torch.Tensor | None = None
     landing: torch.Tensor | None = None
-    written: set[int] = field(default_factory=set)
 
     # ShardedMuon's view of a flat (optim/muon/sharded.py): names, params, shapes, offsets,
     # the shard group's size and this rank's place in it, the master's range.
@@ -152,11 +149,8 @@ class _Reducer:
             c0 += n
             if bucket["used"] == bucket["staging"].shape[1]:
                 self._issue(key)
-        if not in_place:
-            if shape.policy.reduce_every_backward:
-                flat.local = None
-            else:
-                flat.written = set()
+        if not in_place and shape.policy.reduce_every_backward:
+            flat.local = None  # stages 2-3 free it (end_reduction); stages 0-1 keep it for the next
 
     def _issue(self, key: tuple) -> None:
         self.complete()

@@ -157,7 +157,7 @@ def _saved_after_forward(model: nn.Module, spec: ModelSpec, inputs: tuple, plan:
     ledger = Ledger(ignore=[*model.parameters(), *model.buffers(), *_tensors(inputs)],
                     workspace=workspace_rule(device_type))
     with ledger:
-        with forward_context(plan, device_type):
+        with forward_context(plan, "cpu"):  # the fake tensors are CPU tensors
             loss = spec.loss(model(*args, **kwargs))
         saved = ledger.now["all"]
         del loss
@@ -255,7 +255,7 @@ def _measured_pass(ledger: Ledger, replay: EngineReplay, model: nn.Module, spec:
     """Forward and backward with the engine's buffers; returns the activations the forward saved."""
     args, kwargs = inputs
     ledger.enter_phase("forward")
-    with forward_context(plan, device_type):
+    with forward_context(plan, "cpu"):  # the fake tensors are CPU tensors
         # Only the loss is kept: the other outputs (logits) die before the backward, as in a loop
         # that takes `outputs.loss` (a loop that keeps them holds them through the step).
         loss = spec.loss(model(*args, **kwargs))
