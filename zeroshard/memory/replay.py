@@ -292,8 +292,9 @@ class EngineReplay:
         """sharding/flat.py `start_gather` with gather.py's buffers: the full flat; the piece's
         source (a cast of the master when the wire dtype differs from the parameter's) and the
         wire output live until the gather completes; the send buffer (the source copied to the wire
-        dtype) until the collective is done: at once with gloo on the CPU, at the wait on an
-        accelerator (the process group keeps its inputs until then)."""
+        dtype) until the collective is done, which is counted as the wait (an accelerator's
+        process group keeps its inputs until then; gloo frees it when its worker finishes, at
+        once for a group of one, and measured alive at the backward's peak on 2 ranks)."""
         if not self.sharded[index] or index in self._pending_gathers:
             return
         flats = [f for f in self.unit_flats[index] if f.shape.params_sharded]
@@ -317,7 +318,7 @@ class EngineReplay:
                 send = source.to(dtype=wire, copy=True)
                 if wire != role.param_dtype:
                     pending.append(torch.empty(rows, cols, dtype=wire, device=self.device))  # the output
-                if not self.keep_grads:
+                if not self.keep_grads or shape.shard_size > 1:
                     pending.append(send)
                 del send
         self._pending_gathers[index] = pending
