@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Issue 39: the predicted peak against the measured one; on the CPU (CI) stages 0 and 3 only.
     for stage in conformance.STAGES if on_gpu else (0, 3):
-        row(f"g/memory s{stage}", lambda s=stage: memory.memory_peak(s, device), 240 if on_gpu else 90)
+        row(f"i/memory s{stage}", lambda s=stage: memory.memory_peak(s, device), 240 if on_gpu else 90)
     report.meta["seconds"] = round(time.perf_counter() - started, 1)
     report._write()
     table = report.table()

@@ -1,4 +1,4 @@
-"""Check g (issue 39): the predicted per-rank peak against the measured one, stages 0-3.
+"""Check i (issue 39): the predicted per-rank peak against the measured one, stages 0-3.
 
 On a GPU: the demo's `1b` preset at sequence 2048, bf16, AdamW, clipping 1.0 (the model rows'
 configuration, micro-batch from the same memory arithmetic), measured as

@@ -97,10 +97,12 @@ def print_memory_plan(console: Any, data: dict[str, Any]) -> None:
     table = Table(title=f"Per-rank peak memory on {where} (W={data['world_size']}{shape})")
     table.add_column("at the peak" + (f" ({memory['peak_phase']})" if memory.get("peak_phase") else ""))
     table.add_column("bytes", justify="right")
-    for key, value in memory["parts"].items():
-        if value:
-            table.add_row(key, _human(value))
-    table.add_row("[bold]device peak (allocated)[/bold]", f"[bold]{_human(memory['device_peak_bytes'])}[/bold]")
+    if memory.get("traced"):  # without a traced step the parts are the estimate's table above
+        for key, value in memory["parts"].items():
+            if value:
+                table.add_row(key, _human(value))
+    label = "device peak (allocated)" if memory.get("traced") else "device peak (states and buffer bounds)"
+    table.add_row(f"[bold]{label}[/bold]", f"[bold]{_human(memory['device_peak_bytes'])}[/bold]")
     if memory.get("reserved_bytes") is not None:
         table.add_row("expected reserved (CUDA allocator)", _human(memory["reserved_bytes"]))
     if memory["device"] != "cpu":
