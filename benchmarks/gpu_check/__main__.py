@@ -99,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 200 if not args.quick else 130)
     row("f/muon_step", lambda: muon_row(device, args.outdir), 160)
 
+    from benchmarks.gpu_check import fp8
+
+    for stage in conformance.STAGES if on_gpu else (3,):
+        row(f"g/fp8 loss s{stage}", lambda s=stage: fp8.fp8_loss(s, device), 120)
+    row("g/fp8 speed 8b-shaped", lambda: fp8.fp8_speed(device), 240)
+
     size = model_bench.BenchSize.for_device(device, args.quick)
     box: dict = {}
 

@@ -33,6 +33,8 @@ from zeroshard.monitor.attach import build_monitoring
 from zeroshard.optim.muon.qk_clip.attach import attach_qk_clip
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
+from zeroshard.precision.plan import FP8_WIRE_DTYPE, GROUP_FP8
+from zeroshard.sharding.fp8_gather import attach_fp8_gathers
 from zeroshard.sharding.layout import ParallelLayout, establish
 from zeroshard.sharding.offload import OffloadPlan, place_layout
 from zeroshard.sharding.registry import ParamRegistry
@@ -89,6 +91,7 @@ class Engine(HFCompat, EngineAPI):
         self.autoep_settings = transforms.autoep_settings
         self._load_balancer = transforms.load_balancer
         self.expert_group_names = transforms.expert_group_names
+        self.fp8_modules = setup.apply_fp8_compute(model, plan, self.device)
         self._cast_module(model)
         # The memory budget (zeroshard/memory/guard.py): refused here, before any flat is built,
         # if the states alone cannot fit; again at the first forward with the real inputs.
@@ -101,6 +104,8 @@ class Engine(HFCompat, EngineAPI):
         )
         self.flats = [f for unit in self.units for f in unit.flats]
         self.memory_guard.attach_unit_names(self.units)
+        # Stage 3: the fp8 Linears' weights are gathered in fp8 (sharding/fp8_gather.py).
+        self._fp8_scales = attach_fp8_gathers(self.flats, GROUP_FP8, FP8_WIRE_DTYPE) if plan.fp8 else []
         # The trainable parameters are views of the flats, already on the device; this moves
         # the buffers and frozen parameters. So the device never holds the whole fp32 model:
         # at most the cast model (stages 0-2) or one unit's full flat beside the shards (stage 3).

@@ -193,6 +193,14 @@ def explain_data(
             data["autoep"] = {"autoep_size": config.expert_parallel.autoep_size, "layers": names,
                               "settings": settings.explain_lines()}
         data["model"] = {"spec": model_spec, **_model_report(model, plan)}
+        if plan.fp8 is not None:
+            from zeroshard.precision.fp8 import fp8_linear_plan
+
+            data["model"]["fp8"] = [
+                {"module": c.name, "in_features": c.in_features, "out_features": c.out_features, "fp8": c.fp8,
+                 "why": c.reason}
+                for c in fp8_linear_plan(model, plan.fp8)
+            ]
         counts = {g: info["num_params"] for g, info in data["model"]["groups"].items()}
         units = _unit_numels(model, config)
         if units is not None:
@@ -434,6 +442,14 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
             console.print(f"  {group}: {info['num_params']:,} ({shown or 'none'})")
         if "units" in model:
             console.print(f"  units: {model['units']['count']}, largest {model['units']['largest_numel']:,} elements")
+        if "fp8" in model:
+            fp8_table = Table(title="FP8: which Linear layers compute in fp8 (zeroshard.fp8)")
+            for column in ("module", "in x out", "compute", "why"):
+                fp8_table.add_column(column)
+            for row in model["fp8"]:
+                fp8_table.add_row(row["module"], f"{row['in_features']} x {row['out_features']}",
+                                  "fp8" if row["fp8"] else "bf16", row["why"])
+            console.print(fp8_table)
         if "muon" in model:
             muon_table = Table(title="Muon: which optimizer each parameter gets")
             muon_table.add_column("parameter")
