@@ -129,6 +129,9 @@ def predict_memory(
     if not trace.traced:
         assumptions.append(f"{spec.name}: its inputs are unknown, so no forward was traced: activations are not "
                            "included (use a preset or --hf-config)")
+    if getattr(config.precision_plan, "fp8", None):
+        assumptions.append("fp8 compute (zeroshard.fp8): the trace runs the Linear layers in the parameter dtype and "
+                           "gathers in it, so their activations and stage-3 gathers are overestimated")
     if any(exchange.values()):
         assumptions.append("expert and sequence exchange buffers: counted from their sizes, not traced "
                            "(not checked against a measurement)")
