@@ -110,7 +110,9 @@ class MemoryGuard:
 
     # ------------------------------------------------------------------ out of memory
     def attach_unit_names(self, units: list[Any]) -> None:
-        """Name the running unit in a forward's report (stage 3 names it when gathering)."""
+        """Name the running unit in a forward's report (stage 3 names it when gathering); the
+        phase puts the previous name back when the forward ends (oom.py), so a collective after it
+        is not named after the last unit."""
         for unit in units[1:]:
             name = unit.name
             self._handles.append(unit.module.register_forward_pre_hook(

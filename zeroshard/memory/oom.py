@@ -83,6 +83,7 @@ def out_of_memory_report(phase: str, rank: int, device: torch.device, prediction
     """Run a phase; re-raise an out-of-memory error inside it with the report (see the module).
     `prediction()`: the latest prediction's dict (plan.py), read when the error happens."""
     previous, faults.where.phase = faults.where.phase, phase
+    unit = faults.where.unit  # the forward's unit hooks set it: put back after the phase
     try:
         yield
     except Exception as exc:
@@ -102,4 +103,4 @@ def out_of_memory_report(phase: str, rank: int, device: torch.device, prediction
             f"{_snapshot(device, rank, recording)} The error: {exc}"
         ) from exc
     finally:
-        faults.where.phase = previous
+        faults.where.phase, faults.where.unit = previous, unit
