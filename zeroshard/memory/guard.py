@@ -117,6 +117,8 @@ class MemoryGuard:
             name = unit.name
             self._handles.append(unit.module.register_forward_pre_hook(
                 lambda module, args, name=name: setattr(faults.where, "unit", name)))
+            self._handles.append(unit.module.register_forward_hook(
+                lambda module, args, output: setattr(faults.where, "unit", None), always_call=True))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
