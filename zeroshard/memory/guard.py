@@ -118,7 +118,7 @@ class MemoryGuard:
             self._handles.append(unit.module.register_forward_pre_hook(
                 lambda module, args, name=name: setattr(faults.where, "unit", name)))
             self._handles.append(unit.module.register_forward_hook(
-                lambda module, args, output: setattr(faults.where, "unit", None), always_call=True))
+                lambda module, args, output: setattr(faults.where, "unit", None)))  # not on an error: it is reported
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
