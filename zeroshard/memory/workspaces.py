@@ -23,7 +23,9 @@ aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 _NARROW = (torch.bfloat16, torch.float16)
 _ONEDNN_ALIGN = 128
-_FLASH_BACKWARD = {getattr(aten, "_scaled_dot_product_flash_attention_backward", None)}
+# The trace runs the CPU's kernels: its flash attention backward stands for CUDA's.
+_FLASH_BACKWARD = {getattr(aten, name, None) for name in (
+    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward")}
 
 
 def _cpu(func: Any, args: tuple, out: Any) -> int:
