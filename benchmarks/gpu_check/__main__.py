@@ -162,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         row(f"f/model {engine}",
             lambda e=engine: model_bench.bench_engine(e, size, device, box.get("matmul")),
             max(left, 20 if args.quick else 60))
+    from benchmarks.gpu_check import memory
+
+    # Issue 39: the predicted peak against the measured one; on the CPU (CI) stages 0 and 3 only.
+    for stage in conformance.STAGES if on_gpu else (0, 3):
+        row(f"i/memory s{stage}", lambda s=stage: memory.memory_peak(s, device), 240 if on_gpu else 90)
     report.meta["seconds"] = round(time.perf_counter() - started, 1)
     report._write()
     table = report.table()

@@ -111,6 +111,9 @@ class ZeroshardExtras(_Section):
             (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
             of the profile (zeroshard/monitor/flops.py).
         fp8: fp8 compute for large Linear layers (zeroshard/config/fp8.py).
+        memory_budget_gb: GiB (2^30 bytes) a rank may use; `initialize` and the first forward
+            refuse a config whose predicted peak exceeds it (docs/memory.md). Unset: the
+            accelerator's memory (no check on the CPU); null: no check.
     """
 
     unit_module_classes: list[str] | None = None
@@ -120,6 +123,7 @@ class ZeroshardExtras(_Section):
     collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
     fp8: Fp8Config = Field(default_factory=Fp8Config)
+    memory_budget_gb: float | None = Field(None, gt=0)
 
 
 class ZeroshardConfig(_Section):
