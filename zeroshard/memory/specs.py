@@ -28,7 +28,11 @@ def preset_spec(name: str) -> ModelSpec:
     info = preset_info(name)
 
     def inputs(model: nn.Module, micro_batch: int, seq: int) -> tuple[tuple, dict]:
-        return batch_for(model, torch.randint(0, info.vocab_size, (micro_batch, seq)))
+        ids = torch.randint(0, info.vocab_size, (micro_batch, seq))
+        args, kwargs = batch_for(model, ids)
+        if args:  # (inputs, targets): the targets are a tensor of their own, as a data loader's are
+            args = (ids, torch.randint(0, info.vocab_size, (micro_batch, seq)))
+        return args, kwargs
 
     return ModelSpec(name, lambda: build_model(name), inputs, max_seq=info.max_seq_len)
 
