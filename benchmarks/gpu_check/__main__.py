@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.gpu_check.report import Report, Skip
+from benchmarks.process_group import close_group
 from benchmarks.process_group import init_group_of_one as init_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,12 +52,47 @@ def muon_row(device: torch.device, outdir: Path) -> dict:
     return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": result.stdout.strip().splitlines()[-9:]}, ""
 
 
+def simulated_rows(row, device: torch.device) -> None:
+    """Check h: zeroshard simulate's scaling grid (benchmarks/simulate_scale.py; on the CPU its first
+    row), zeroshard beside FSDP2, and the world-1 row against a real world-1 run (within 10%)."""
+    from benchmarks import simulate_scale
+
+    grid = simulate_scale.GRIDS["gpu" if device.type == "cuda" else "cpu"]
+    if device.type != "cuda":
+        grid = grid[:1]
+    for model, overrides, world, stage, seq in grid:
+        for engine in ("zeroshard", "fsdp2"):
+            def check(m=model, o=overrides, w=world, s=stage, q=seq, e=engine):
+                report = simulate_scale.run_row(m, o, w, s, q, e, device.type, steps=3)
+                if "error" in report:
+                    return "FAIL", {}, report["error"]
+                fabrics = {f["name"]: f for f in report["fabrics"]}
+                return {"simulated": True, "states_gib": report["model_states_bytes"]["total"] / 2**30,
+                        "peak_alloc_gib": report["peak_device_allocated_bytes"] / 2**30,
+                        "compute_step_s": report["compute_step_s"],
+                        **{f"exposed_{n}_s": fabrics[n]["exposed_comm_s"] for n in fabrics},
+                        **{f"modelled_{n}_s": fabrics[n]["modelled_comm_s"] for n in fabrics}}
+
+            row(f"h/simulated {model} W={world} s{stage} {engine}", check, 300)
+    model, overrides, _, stage, seq = grid[0]
+
+    def world_one():
+        numbers = simulate_scale.world_one(model, overrides, stage, seq, device.type, steps=3)
+        if device.type == "cuda" and abs(numbers["ratio"] - 1) > 0.10:
+            return "FAIL", numbers, f"simulated world-1 compute step {numbers['ratio']:.3f}x the real world-1 step"
+        return numbers
+
+    row(f"h/simulated {model} world-1 vs real", world_one, 300)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__)
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="the exploratory run: a 30 s model benchmark")
     parser.add_argument("--only", default="", help="comma-separated row-name prefixes to run (debugging)")
+    parser.add_argument("--simulated", action="store_true",
+                        help="add the simulated scaling rows (h/, zeroshard simulate; ~10 min on an H200)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but no CUDA device is available", file=sys.stderr)
@@ -71,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick, "argv": sys.argv,
     }
     report = Report(args.outdir, meta)
-    init_group(device)
     only = [p for p in args.only.split(",") if p]
     started = time.perf_counter()
 
@@ -79,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         if only and not any(name.startswith(p) for p in only):
             return None
         return report.run(name, check, budget)
+
+    if args.simulated:  # before the group of one: a simulated world needs the default group to itself
+        simulated_rows(row, device)
+    init_group(device)
 
     from benchmarks.gpu_check import conformance, model_bench, numerics, syncs
 
@@ -111,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     # proves the mode on the CPU): one cell.
     for stage in conformance.STAGES if on_gpu else (3,):
         for mode in ("fp32", "bf16") if on_gpu else ("bf16",):
-            row(f"h/deterministic s{stage} {mode}",
+            row(f"j/deterministic s{stage} {mode}",
                 lambda s=stage, m=mode: deterministic.tree_on_device(s, m, device), 60)
 
     size = model_bench.BenchSize.for_device(device, args.quick)
@@ -133,12 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         row(f"f/model {engine}",
             lambda e=engine: model_bench.bench_engine(e, size, device, box.get("matmul")),
             max(left, 20 if args.quick else 60))
+    from benchmarks.gpu_check import memory
+
+    # Issue 39: the predicted peak against the measured one; on the CPU (CI) stages 0 and 3 only.
+    for stage in conformance.STAGES if on_gpu else (0, 3):
+        row(f"i/memory s{stage}", lambda s=stage: memory.memory_peak(s, device), 240 if on_gpu else 90)
     report.meta["seconds"] = round(time.perf_counter() - started, 1)
     report._write()
     table = report.table()
     (args.outdir / "gpu_check.txt").write_text(table + "\n")
     print(table, flush=True)
-    dist.destroy_process_group()
+    close_group()  # every row's engines and FSDP2 models are gone first (benchmarks/process_group.py)
     return 0 if all(r.status != "FAIL" for r in report.rows) else 1
 
 

@@ -114,6 +114,9 @@ class ZeroshardExtras(_Section):
             tree, so 1, 2, 4, 8, ... ranks train bit for bit alike (docs/deterministic-reduction.md;
             the configs where it cannot hold are refused: zeroshard/config/deterministic.py).
         fp8: fp8 compute for large Linear layers (zeroshard/config/fp8.py).
+        memory_budget_gb: GiB (2^30 bytes) a rank may use; `initialize` and the first forward
+            refuse a config whose predicted peak exceeds it (docs/memory.md). Unset: the
+            accelerator's memory (no check on the CPU); null: no check.
     """
 
     unit_module_classes: list[str] | None = None
@@ -124,6 +127,7 @@ class ZeroshardExtras(_Section):
     peak_tflops: float | None = Field(None, gt=0)
     deterministic_reduction: bool = False
     fp8: Fp8Config = Field(default_factory=Fp8Config)
+    memory_budget_gb: float | None = Field(None, gt=0)
 
 
 class ZeroshardConfig(_Section):

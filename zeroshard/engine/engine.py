@@ -28,7 +28,9 @@ from zeroshard.engine.hf_compat import HFCompat
 from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
+from zeroshard.memory.guard import MemoryGuard
 from zeroshard.monitor.attach import build_monitoring
+from zeroshard.monitor.master import MonitorMaster
 from zeroshard.optim.muon.qk_clip.attach import attach_qk_clip
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
@@ -39,6 +41,7 @@ from zeroshard.sharding.offload import OffloadPlan, place_layout
 from zeroshard.sharding.registry import ParamRegistry
 from zeroshard.sharding.streams import streams_for
 from zeroshard.step.optimizer_step import OptimizerStep
+from zeroshard.zero.param_attributes import mark_stage3
 
 if TYPE_CHECKING:
     from zeroshard.config.schema import ZeroshardConfig
@@ -80,6 +83,9 @@ class Engine(HFCompat, EngineAPI):
         # Sequence ranks share samples: gradients average over data-parallel replicas only.
         self.data_parallel_size = self.layout.data_parallel_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # DeepSpeed's monitors first: one that cannot start refuses the config on every rank
+        # before the model is touched (zeroshard/monitor/master.py).
+        self.monitor = MonitorMaster(config, self.global_rank, self.layout.world)
         self.device = select_device(model)
         # Not moved yet: cast first, then each unit's flat buffer is built on the device one at
         # a time (at stage 3 only its shard stays there), then the rest follows (see below).
@@ -98,12 +104,19 @@ class Engine(HFCompat, EngineAPI):
             deterministic.check_expert_groups(self.layout, self.expert_group_names)
         self.fp8_modules = setup.apply_fp8_compute(model, plan, self.device)
         self._cast_module(model)
+        # The memory budget (zeroshard/memory/guard.py): refused here, before any flat is built,
+        # if the states alone cannot fit; again at the first forward with the real inputs.
+        self.memory_guard = MemoryGuard(config, self.layout.world, self.device, traced=not self.expert_group_names)
+        self.memory_guard.check_states(model)
         streams = streams_for(self.device)  # CUDA: gathers and reductions on their own streams
         self.units = setup.build_units(
             model, config, plan, self.policy, self.layout, self.device,
             transforms.group_of, self._param_group_name, streams,
         )
         self.flats = [f for unit in self.units for f in unit.flats]
+        # Stage 3: DeepSpeed's ds_id, ds_persist, ... on each parameter (zeroshard/zero/param_attributes.py).
+        mark_stage3(model, self.flats, stage3=not self.policy.keep_full_params)
+        self.memory_guard.attach_unit_names(self.units)
         # Stage 3: the fp8 Linears' weights are gathered in fp8 (sharding/fp8_gather.py).
         self._fp8_scales = attach_fp8_gathers(self.flats, GROUP_FP8, FP8_WIRE_DTYPE) if plan.fp8 else []
         # The trainable parameters are views of the flats, already on the device; this moves
@@ -137,8 +150,8 @@ class Engine(HFCompat, EngineAPI):
         )
         # ---- monitoring (zeroshard/monitor/): timers, FLOPs, collectives, MoE figures; DeepSpeed's
         # engine.monitor (csv, tensorboard, wandb) and engine.metrics(), which joins both.
-        self.figures, self.monitor, self.training_figures = build_monitoring(
-            self.module, config, self.device, self.global_rank, self.optimizer, fp16=plan.mode == "fp16"
+        self.figures, self.training_figures = build_monitoring(
+            self.module, config, self.device, self.global_rank, self.optimizer, self.monitor, fp16=plan.mode == "fp16"
         )
         self.timers = self.figures.timers
         attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)
@@ -155,7 +168,8 @@ class Engine(HFCompat, EngineAPI):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module under the precision policy (autocast, input casts)."""
-        with self.timers.span("fwd"):
+        with self.timers.span("fwd"), self.memory_guard.phase("forward"):
+            self.memory_guard.check_first_forward(self.module, args, kwargs)
             self.figures.before_forward(self.global_steps)
             output = self._forward(*args, **kwargs)
             self.figures.after_forward()
@@ -188,7 +202,7 @@ class Engine(HFCompat, EngineAPI):
         reduction); `scale_wrt_gas=False` leaves this one's undivided, as DeepSpeed's argument
         does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
         """
-        with self.timers.span("bwd"):
+        with self.timers.span("bwd"), self.memory_guard.phase("backward"):
             return self._backward(loss, retain_graph, scale_wrt_gas, **kwargs)
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool, **kwargs: Any) -> torch.Tensor:
@@ -237,7 +251,7 @@ class Engine(HFCompat, EngineAPI):
         still runs the backward epilogue in `engine.backward`), so they agree on it.
         """
         steps_before = self.global_steps
-        with self.timers.span("step"):
+        with self.timers.span("step"), self.memory_guard.phase("optimizer step"):
             self._step_once()
         if self.global_steps != steps_before:
             self.figures.after_step(self)
@@ -321,7 +335,8 @@ class Engine(HFCompat, EngineAPI):
         `async_save` (None: `checkpoint.writer.decoupled`) the files are written in the background."""
         from zeroshard import checkpoint
 
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save=async_save)
+        with self.memory_guard.phase("save"):
+            return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save=async_save)
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an asynchronous save to be written and published; collective."""
@@ -342,11 +357,12 @@ class Engine(HFCompat, EngineAPI):
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...): not supported by zeroshard. Load without it.")
 
-        return checkpoint.load_checkpoint(
-            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-            allow_pickle=allow_pickle,
-        )
+        with self.memory_guard.phase("load"):
+            return checkpoint.load_checkpoint(
+                self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                allow_pickle=allow_pickle,
+            )
 
     def resume_latest(self, load_dir=None, **load_options):
         """Load the newest complete checkpoint in load_dir (default: preemption.save_dir) at this

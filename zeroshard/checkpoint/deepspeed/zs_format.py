@@ -150,6 +150,9 @@ def _entry(reader: CheckpointReader, entry: dict[str, Any] | None, key: str, all
 
 def read_zeroshard(ckpt_dir: str | os.PathLike, tag: str | None = None, allow_pickle: bool = False) -> PortableState:
     """Any zeroshard checkpoint (a save directory or a tag directory) as whole tensors."""
+    from zeroshard.checkpoint.async_save import join_writer
+
+    join_writer()  # a save this process is still writing is read once complete
     tag_dir = resolve_checkpoint_dir(ckpt_dir, tag)
     with CheckpointReader(tag_dir) as reader:
         index = reader.index

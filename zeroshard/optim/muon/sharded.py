@@ -106,6 +106,12 @@ def _muon_layout(flat: FlatParamGroup) -> _MuonLayout:
     return _MuonLayout(flat, tuple(tasks), max(loads))
 
 
+def _gather_over_shard_group(
+    flat: FlatParamGroup, source: torch.Tensor, target: torch.Tensor, wire_dtype: torch.dtype | None = None
+) -> None:
+    all_gather_shards([GatherPiece(source, target)], group=flat.spec.shard, tag="muon", wire_dtype=wire_dtype).wait()
+
+
 class ShardedMuon(torch.optim.Optimizer):
     """Muon over the engine's flat master tensors (see [Note: Muon in zeroshard]).
 
@@ -128,6 +134,10 @@ class ShardedMuon(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.state_dtype = state_dtype
         self.qk_clip: Any = None  # MuonClip's QKClip (optim/muon/qk_clip/), run after each step
+        # gather(flat, source, target, wire_dtype=None): every rank's `source` into `target` over
+        # the flat's shard group. The memory prediction replays the step with one that moves
+        # nothing (zeroshard/memory/replay_step.py).
+        self.gather = _gather_over_shard_group
         self._layouts: dict[int, _MuonLayout] = {}
         # Matrices of one shape are orthogonalized in one batched call. False (the deterministic
         # reduction): one call per matrix task, so each matrix meets the same kernels whatever
@@ -192,7 +202,7 @@ class ShardedMuon(torch.optim.Optimizer):
         else:
             wire = ns_input_dtype(compute_dtype, u.dtype)  # never fp16 before normalising
             full_u = torch.empty(flat.padded_numel, dtype=wire, device=u.device)
-            all_gather_shards([GatherPiece(u, full_u)], group=flat.spec.shard, tag="muon", wire_dtype=wire).wait()
+            self.gather(flat, u, full_u, wire)
 
         packed = torch.zeros(layout.pack_numel, dtype=compute_dtype, device=p.device)
         mine: dict[tuple[int, int], list[_MatrixTask]] = {}
@@ -208,7 +218,7 @@ class ShardedMuon(torch.optim.Optimizer):
                 packed.narrow(0, t.pack_offset, t.numel).copy_(t.layout.from_blocks(o))
         if flat.shard_size > 1:
             every = torch.empty(flat.shard_size * layout.pack_numel, dtype=compute_dtype, device=p.device)
-            all_gather_shards([GatherPiece(packed, every)], group=flat.spec.shard, tag="muon").wait()
+            self.gather(flat, packed, every)
         else:
             every = packed
 
