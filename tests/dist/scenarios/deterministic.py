@@ -72,18 +72,21 @@ def train_cases(cases: list[dict[str, Any]], micro_batches: int = 8, steps: int 
 
 def resume_cases(cases: list[dict[str, Any]], micro_batches: int = 8, steps: int = 10) -> dict[str, Any] | None:
     """Each case (keys: name, stage, mode, load_dir) loaded from its checkpoint at this world
-    size and trained on to `steps` steps on the same global batches; per name the final state."""
+    size and trained on to `steps` steps on the same global batches; per name the final state and
+    the grad norm of every step after the load."""
     out = {}
     for spec in cases:
         case = det_case(spec["stage"], spec["mode"], micro_batches, steps, spec.get("extra"))
         engine = build_engine(case)
         engine.load_checkpoint(spec["load_dir"])
         batches = case_batches(case)
+        norms = []
         for batch in batches[engine.global_steps :]:
             engine_loop_step(engine, case, batch)
             engine.step()
+            norms.append(engine.get_global_grad_norm())
         record = final_state(engine)
-        record["global_steps"] = engine.global_steps
+        record.update(global_steps=engine.global_steps, norms=norms)
         out[spec["name"]] = record
         engine.destroy()
     return out if dist.get_rank() == 0 else None
