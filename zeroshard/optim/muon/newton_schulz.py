@@ -50,6 +50,8 @@ narrow it to fp16 (`ns_input_dtype`); bf16 has fp32's exponent range and may car
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -228,3 +230,23 @@ def _gram(x: torch.Tensor, steps: int, restarts: tuple[int, ...]) -> torch.Tenso
 def update_scale(rows: int, cols: int) -> float:
     """Muon's shape factor sqrt(max(1, rows / cols)) for an update of a rows x cols matrix."""
     return math.sqrt(max(1.0, rows / cols))
+
+
+def compiled_orthogonalize(backend: Any = "inductor", **options: Any) -> Callable[..., torch.Tensor]:
+    """`orthogonalize` under torch.compile (`backend`, and torch.compile's `mode`/`options`):
+    the normalisation, the cast and either form's iteration in one graph (`fullgraph=True`).
+    A first shape compiles a static graph, a second one a graph with dynamic sizes that later
+    shapes share (dynamo's default, as DeepSpeed's compiled `muon_update`). The same results as
+    eager within the iteration's rounding (`aot_eager`: the same kernels, the same bits)."""
+    return torch.compile(orthogonalize, backend=backend, fullgraph=True, **options)
+
+
+class CompilableNewtonSchulz:
+    """Mixed into the Muon optimizers: `self.orthogonalize` is the Newton-Schulz they call,
+    eager until `compile_newton_schulz` (which `engine.compile()` calls)."""
+
+    orthogonalize: Callable[..., torch.Tensor] = staticmethod(orthogonalize)
+
+    def compile_newton_schulz(self, backend: Any = "inductor", **options: Any) -> None:
+        """Run Newton-Schulz compiled from the next step on (see `compiled_orthogonalize`)."""
+        self.orthogonalize = compiled_orthogonalize(backend, **options)
