@@ -88,9 +88,26 @@ def is_compiled_module(module: nn.Module) -> bool:
     )
 
 
-def _first_line(error: BaseException) -> str:
+def _break_summary(error: BaseException) -> str:
+    """Dynamo's first line, and the reason an eager region gave (`zeroshard: ...`), if any."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    first = text.splitlines()[0] if text else type(error).__name__
+    marker = text.find("(reason: zeroshard: ")
+    if marker < 0:
+        return first
+    reason = text[marker + len("(reason: "):].split(")\n", 1)[0].rstrip(")")
+    return f"{first}: {reason}"
+
+
+# Dynamo's compiled code belongs to the function's code object, for the whole process: once a
+# forward was compiled with a graph break, every later torch.compile of it finds that code and
+# runs it, fullgraph=True or not, without tracing again. So the breaks found are remembered per
+# code object too, for later compilations (another engine) to report them truthfully.
+_BREAKS: dict[Any, str] = {}
+
+
+def _code_of(fn: Callable[..., Any]) -> Any:
+    return getattr(getattr(fn, "__func__", fn), "__code__", fn)
 
 
 class _Compilation:
@@ -105,7 +122,10 @@ class _Compilation:
         # The caller's fullgraph is kept as given; otherwise one graph where nothing is eager.
         self.fixed = fullgraph is not None
         self.fullgraph = fullgraph if fullgraph is not None else not has_eager_parts
-        self.graph_break: str | None = None
+        # (A caller's fullgraph=True is passed on as it is: torch.compile's own semantics.)
+        self.graph_break = None if self.fixed else _BREAKS.get(_code_of(fn))
+        if self.graph_break is not None:
+            self.fullgraph = False
         self.compiled = self._compile()
 
     def _compile(self) -> Callable[..., Any]:
@@ -118,7 +138,7 @@ class _Compilation:
             # Raised only with fullgraph=True, while tracing: nothing of the forward has run.
             if self.fixed or not self.fullgraph:
                 raise
-            self.graph_break = _first_line(error)
+            self.graph_break = _BREAKS[_code_of(self.fn)] = _break_summary(error)
             ours = "zeroshard:" in str(error)
             logger.log(
                 logging.INFO if ours else logging.WARNING,
