@@ -60,7 +60,7 @@ def features(dist_pool):
 
 @pytest.mark.parametrize("label", [
     "stage2-fp32-b2-k4-engine-accumulation", "stage3-fp16-b2-k1-engine", "stage1-autocast_bf16-b2-k1-engine",
-    "stage3-bf16_autocast-b2-k1-engine", "stage3-fp32-b2-k1-engine-reentrant", "stage0-fp32-b2-k1-engine-non-reentrant",
+    "stage3-fp32-b2-k1-engine-reentrant", "stage0-fp32-b2-k1-engine-non-reentrant",
     "stage3-fp32-b2-k1-engine-offload", "stage2-bf16-b2-k1-engine-tiled-loss", "stage2-fp32-b2-k1-engine-muon",
 ])
 def test_every_feature_compiled_equals_eager_bitwise(features, label):
@@ -71,7 +71,7 @@ def test_every_feature_compiled_equals_eager_bitwise(features, label):
         assert case["ns_compiled"] == label.endswith("muon")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_moe_blocks_compile_around_the_eager_moe_layer(dist_pool, stage):
     for result in dist_pool(2).run(f"{ALL}:moe_gpt", stage, timeout=TIMEOUT_S):
         assert result["losses"] and result["masters_differing"] == [], result
