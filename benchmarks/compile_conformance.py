@@ -53,10 +53,10 @@ def timed_step(times: list[float]):
     return step
 
 
-def run(case: Case, backend: str | None) -> tuple[dict[str, Any], list[float]]:
+def run(case: Case, backend: str | None, options: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[float]]:
     engine = build_engine(case)
     if backend is not None:
-        engine.compile(backend=backend)
+        engine.compile(backend=backend, compile_kwargs={"options": options} if options else None)
     times: list[float] = []
     try:
         result = to_cpu(train(engine, case, step_fn=timed_step(times)))
@@ -66,9 +66,9 @@ def run(case: Case, backend: str | None) -> tuple[dict[str, Any], list[float]]:
     return result, times
 
 
-def row(stage: int, mode: str, backend: str) -> dict[str, Any]:
+def row(stage: int, mode: str, backend: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     case = Case(stage=stage, mode=mode, micro=2, ga=2, steps=3)
-    compiled, times = run(case, backend)
+    compiled, times = run(case, backend, options)
     eager, eager_times = run(case, None)
     checked = compare(case, compiled)
     status, numbers, why = ("FAIL", *checked[1:]) if isinstance(checked, tuple) else ("ok", checked, "")
@@ -87,17 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="fp32,bf16,autocast_bf16,fp16")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--options", type=json.loads, default=None,
+                        help='inductor options as JSON, e.g. \'{"emulate_precision_casts": true}\'')
     args = parser.parse_args(argv)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     init_group_of_one(device)
     rows = []
     header = (f"{'stage':>5} {'mode':<14} {'ref':<4} {'grad_err_rel':>12} {'loss_err_rel':>12} {'param_err_max':>13} "
               f"{'vs_eager':>9} {'first_s':>7} {'step_ms':>8} {'eager_ms':>8}")
-    print(f"engine.compile(backend={args.backend!r}) against the reference and the eager engine, {device}")
+    print(f"engine.compile(backend={args.backend!r}, options={args.options}) against the reference and the eager "
+          f"engine, {device}")
     print(header, flush=True)
     for mode in args.modes.split(","):
         for stage in (int(s) for s in args.stages.split(",")):
-            r = row(stage, mode, args.backend)
+            r = row(stage, mode, args.backend, args.options)
             rows.append(r)
             print(f"{stage:>5} {mode:<14} {r['ref']:<4} {r['grad_err_rel']:>12.2e} {r['loss_err_rel']:>12.2e} "
                   f"{r['param_err_max']:>13.2e} {r['vs_eager']:>9.2e} {r['first_s']:>7.1f} {r['step_ms']:>8.1f} "

@@ -34,6 +34,26 @@ COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options", "disable")
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def _eager_rounding(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's `emulate_precision_casts` on, unless the caller set it: a fused bf16/fp16
+    kernel then rounds each intermediate to the compute dtype as eager does, instead of keeping
+    it in fp32, so the compute role of the precision plan (docs/design.md section 2) holds
+    compiled too (measured: the first bf16 loss 1e-3 away from eager without it, within the
+    conformance tolerance of 1e-5 with it; benchmarks/compile_conformance.py). torch.compile
+    takes `mode` or `options`, not both: a mode becomes its options."""
+    options = dict(kwargs.get("options") or {})
+    if "emulate_precision_casts" in options:
+        return kwargs
+    kwargs = dict(kwargs)
+    if "mode" in kwargs:
+        from torch._inductor import list_mode_options
+
+        options = {**list_mode_options(kwargs.pop("mode")), **options}
+    options["emulate_precision_casts"] = True
+    kwargs["options"] = options
+    return kwargs
+
+
 class CompileMixin:
     """DeepSpeed's `compile()`, `is_compiled`, and `compiled_regions`; expects the attributes
     `Engine` sets (module, units, config, optimizer)."""
@@ -87,6 +107,8 @@ class CompileMixin:
             logger.info("engine.compile(): already compiled; the second call changes nothing.")
             return
         self._check_cuda_graphs(kwargs)
+        if backend == "inductor" and self.precision_plan.mode != "fp32":
+            kwargs = _eager_rounding(kwargs)
         if kwargs.get("disable"):
             logger.warning("engine.compile(compile_kwargs={'disable': True}): torch.compile is off; nothing compiled.")
             return

@@ -78,6 +78,22 @@ def test_compile_refuses_what_it_cannot_do_with_the_reason():
     assert engine.is_compiled is False and engine.compiled_regions == []
 
 
+def test_inductor_rounds_low_precision_as_eager_does():
+    # bf16: emulate_precision_casts on (docs/compile.md), a mode turned into its options (torch.compile
+    # takes one or the other); nothing is traced here, the settings are what is checked.
+    engine = _gpt_engine(stage=1, bf16={"enabled": True})
+    engine.compile(backend="inductor", compile_kwargs={"mode": "max-autotune-no-cudagraphs"})
+    options = engine.module.blocks[0].forward.compilation.options
+    assert "mode" not in options and options["options"]["emulate_precision_casts"] is True
+    assert options["options"]["max_autotune"] is True
+    fp32 = _gpt_engine(stage=1)
+    fp32.compile(backend="inductor", compile_kwargs={"mode": "max-autotune-no-cudagraphs"})
+    assert fp32.module.blocks[0].forward.compilation.options == {"mode": "max-autotune-no-cudagraphs"}
+    opted_out = _gpt_engine(stage=1, bf16={"enabled": True})
+    opted_out.compile(backend="inductor", compile_kwargs={"options": {"emulate_precision_casts": False}})
+    assert opted_out.module.blocks[0].forward.compilation.options == {"options": {"emulate_precision_casts": False}}
+
+
 def test_autoep_non_moe_needs_autoep_layers():
     engine = _gpt_engine(stage=1, compile={"autoep_non_moe": True})
     with pytest.raises(ValueError, match=r"^compile.autoep_non_moe=true: compiles the modules around AutoEP layers, "
