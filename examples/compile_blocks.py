@@ -36,7 +36,7 @@ for region in engine.compiled_regions:
     print(f"compiled {region.name}: one graph {region.fullgraph}, eager parts {region.eager_parts}")
 
 data = torch.Generator().manual_seed(1)
-for step in range(args.steps):
+for _ in range(args.steps):
     idx = torch.randint(0, 256, (2, 16), generator=data)
     _, loss = engine(idx, idx)
     engine.backward(loss)

@@ -219,18 +219,21 @@ def _tiny_hf(kind: str) -> nn.Module:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mixtral"])
 def test_hugging_face_decoder_layers_compile_as_one_graph(kind, fresh_dynamo):
-    model = _tiny_hf(kind)
-    reference = copy.deepcopy(model)
-    shared: dict = {}
-    for layer in model.model.layers:
-        compile_forward(layer, backend="eager", fullgraph=True, shared=shared)  # a break would raise
+    # Through the engine at stage 3 (its hooks on every layer's submodules), fullgraph=True: a
+    # break would raise. The reference is the Hugging Face model itself, eager.
+    reference = _tiny_hf(kind)
+    model = copy.deepcopy(reference)
+    engine, *_ = zeroshard.initialize(model=model, config=_config(3), dist_init_required=False)
+    engine.compile(backend="eager", compile_kwargs={"fullgraph": True})
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    grads = {n: zeroshard.safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
     want = reference(input_ids=ids, labels=ids).loss
     want.backward()
     assert torch.equal(loss, want)
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+    assert all(torch.equal(grads[n], p.grad) for n, p in reference.named_parameters())
+    assert [r.name for r in engine.compiled_regions] == ["model.layers.0", "model.layers.1"]
     assert _graphs_and_breaks() == (1, 0)  # one graph for every layer, no break
 
 
