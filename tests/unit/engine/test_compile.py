@@ -134,6 +134,18 @@ def test_blocks_compiled_by_the_user_count_and_are_left_alone(fresh_dynamo):
     assert not isinstance(vars(engine.module.blocks[0]).get("forward"), CompiledForward)
 
 
+def test_blocks_compiled_with_module_compile_run_the_engines_hooks_eagerly(fresh_dynamo):
+    # Accelerate's regional compilation calls block.compile(): the compiled _call_impl holds the
+    # engine's stage-3 hooks, which run eagerly (graph breaks around them), so the step is right.
+    engine, eager = _gpt_engine(stage=3), _gpt_engine(stage=3)
+    for block in engine.module.blocks:
+        block.compile(backend="eager")
+    assert engine.is_compiled is True
+    assert [_step(engine, s) for s in range(2)] == [_step(eager, s) for s in range(2)]
+    reasons = list(counters["graph_break"])
+    assert reasons and all("an engine hook" in r or "marked as skipped" in r for r in reasons), reasons
+
+
 def test_copies_of_a_compiled_module_run_eagerly():
     torch.manual_seed(0)
     block = build_gpt("tiny", n_layer=1, n_embd=32, block_size=16).blocks[0]
