@@ -134,11 +134,18 @@ class _Compilation:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.compiled(*args, **kwargs)
-        except torch._dynamo.exc.Unsupported as error:
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.FailOnRecompileLimitHit) as error:
             # Raised only with fullgraph=True, while tracing: nothing of the forward has run.
             if self.fixed or not self.fullgraph:
                 raise
-            self.graph_break = _BREAKS[_code_of(self.fn)] = _break_summary(error)
+            if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
+                # One graph per call site: guards that differ between the modules (a Hugging Face
+                # KV cache's per-layer state); past the limit dynamo runs the forward eagerly.
+                summary = (f"dynamo's recompile limit ({torch._dynamo.config.recompile_limit}) reached: the "
+                           "forward compiles a graph per call (TORCH_LOGS=recompiles says why); the rest run eagerly")
+            else:
+                summary = _break_summary(error)
+            self.graph_break = _BREAKS[_code_of(self.fn)] = summary
             ours = "zeroshard:" in str(error)
             logger.log(
                 logging.INFO if ours else logging.WARNING,

@@ -185,6 +185,28 @@ def test_a_unit_that_breaks_is_compiled_with_breaks_and_says_where(fresh_dynamo,
         strict(x)
 
 
+class _Scaled(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = str(scale)  # a string: dynamo guards on its value, one graph per module
+
+    def forward(self, x):
+        return x * float(self.scale)
+
+
+def test_past_dynamos_recompile_limit_the_rest_runs_eagerly_instead_of_failing(fresh_dynamo):
+    # One graph per module (a Hugging Face KV cache does this per layer): with fullgraph=True
+    # dynamo would raise at the limit; a unit compiled without the caller's fullgraph goes on.
+    modules = [_Scaled(float(i)) for i in range(torch._dynamo.config.recompile_limit + 2)]
+    shared: dict = {}
+    for m in modules:
+        compile_forward(m, backend="eager", shared=shared)
+    x = torch.ones(2)
+    assert [float(m(x)[0]) for m in modules] == [float(i) for i in range(len(modules))]
+    assert modules[0].forward.fullgraph is False
+    assert "recompile limit" in modules[0].forward.graph_break
+
+
 # ------------------------------------------------------------- graph breaks by model
 
 
@@ -270,4 +292,7 @@ def test_engine_compile_compiles_muons_newton_schulz():
     engine, *_ = zeroshard.initialize(model=model, config=config, dist_init_required=False)
     assert "orthogonalize" not in vars(engine.optimizer)  # eager: the class's
     engine.compile(backend="eager")
-    assert getattr(vars(engine.optimizer)["orthogonalize"], "_torchdynamo_orig_callable", None) is orthogonalize
+    compiled = vars(engine.optimizer)["orthogonalize"]
+    assert compiled.func is orthogonalize
+    iterations = compiled.keywords["iterations"]
+    assert all(hasattr(f, "_torchdynamo_orig_callable") for f in (iterations.standard, iterations.gram))
