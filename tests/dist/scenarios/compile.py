@@ -110,8 +110,8 @@ def shape_change() -> dict[str, Any]:
             "smaller_again": step(3), "other_size": step(2)}
 
 
-# Feature cases: every mode family, accumulation, checkpointing, offload, a loss computed with
-# autograd inside the forward, Muon (compiled Newton-Schulz). Three steps each, bitwise vs eager.
+# Feature cases: every mode family, accumulation, checkpointing, offload, Muon (compiled
+# Newton-Schulz). Three steps each, bitwise vs eager.
 _OFFLOAD = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
 FEATURE_CASES = [
     Case(stage=2, mode="fp32", ga=4, steps=3, keep=("master",), variant="accumulation"),
@@ -122,7 +122,6 @@ FEATURE_CASES = [
     Case(stage=0, mode="fp32", steps=3, keep=("master",), model_kwargs={"checkpointing": "non_reentrant"},
          variant="non-reentrant"),
     Case(stage=3, mode="fp32", steps=3, keep=("master",), extra=_OFFLOAD, variant="offload"),
-    Case(stage=2, mode="bf16", steps=3, keep=("master",), model_kwargs={"tiled_loss_chunks": 2}, variant="tiled-loss"),
     Case(stage=2, mode="fp32", steps=3, keep=("master",),
          extra={"optimizer": {"type": "Muon", "params": {"lr": 0.02}}}, variant="muon"),
 ]

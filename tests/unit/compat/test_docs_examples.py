@@ -219,7 +219,7 @@ def test_quickstart_matches_plain_pytorch(run_example):
 
 
 def test_compile_blocks_matches_plain_pytorch(run_example):
-    out = run_example("compile_blocks.py", "--backend", "aot_eager", "--steps", "3")
+    out = run_example("compile_blocks.py", "--backend", "eager", "--steps", "3")  # dynamo alone: cheapest
     assert "compiled blocks.0: one graph True, eager parts {}" in out
     assert "compiled blocks.1: one graph True, eager parts {}" in out
     got = _floats(r"step \d+ loss ([0-9.]+)", out)

@@ -141,7 +141,7 @@ def test_blocks_compiled_with_module_compile_run_the_engines_hooks_eagerly(fresh
     for block in engine.module.blocks:
         block.compile(backend="eager")
     assert engine.is_compiled is True
-    assert [_step(engine, s) for s in range(2)] == [_step(eager, s) for s in range(2)]
+    assert _step(engine) == _step(eager)
     reasons = list(counters["graph_break"])
     assert reasons and all("an engine hook" in r or "marked as skipped" in r for r in reasons), reasons
 
