@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.gpu_check.report import Report, Skip
+from benchmarks.process_group import close_group
 from benchmarks.process_group import init_group_of_one as init_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 200 if not args.quick else 130)
     row("f/muon_step", lambda: muon_row(device, args.outdir), 220 if on_gpu else 160)
 
+    from benchmarks.gpu_check import fp8
+
+    for stage in conformance.STAGES if on_gpu else (3,):
+        row(f"g/fp8 loss s{stage}", lambda s=stage: fp8.fp8_loss(s, device), 120)
+    row("g/fp8 speed 8b-shaped", lambda: fp8.fp8_speed(device), 240)
+
     size = model_bench.BenchSize.for_device(device, args.quick)
     box: dict = {}
 
@@ -132,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     for engine in model_bench.COMPILED if on_gpu else model_bench.COMPILED_ON_CPU:
         left = compiled_budget - (time.perf_counter() - compiled_start)
         if left <= 0:
-            row(f"g/model {engine}", lambda: (_ for _ in ()).throw(Skip("compiled benchmark's time used up")), 5)
+            row(f"h/model {engine}", lambda: (_ for _ in ()).throw(Skip("compiled benchmark's time used up")), 5)
             continue
-        row(f"g/model {engine}",
+        row(f"h/model {engine}",
             lambda e=engine: model_bench.bench_engine(e, size, device, box.get("matmul")),
             max(left, 30 if args.quick else 120))
     report.meta["seconds"] = round(time.perf_counter() - started, 1)
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     table = report.table()
     (args.outdir / "gpu_check.txt").write_text(table + "\n")
     print(table, flush=True)
-    dist.destroy_process_group()
+    close_group()  # every row's engines and FSDP2 models are gone first (benchmarks/process_group.py)
     return 0 if all(r.status != "FAIL" for r in report.rows) else 1
 
 

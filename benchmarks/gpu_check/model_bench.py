@@ -9,7 +9,7 @@ sequence 64. Every engine trains the same model from the same seed with AdamW an
 - plain: fp32 parameters, forward under torch.autocast(bf16), fused AdamW, clip_grad_norm_;
 - fsdp2: fully_shard on each block and the root, MixedPrecisionPolicy(bf16 params, fp32 reduce);
 - zeroshard sN: the DeepSpeed-format config with bf16 enabled (bf16 parameters, fp32 masters);
-- check g, each "-compiled" (issue 40): the same, every block compiled (inductor on a GPU,
+- check h, each "-compiled" (issue 40): the same, every block compiled (inductor on a GPU,
   aot_eager on the CPU): zeroshard by `engine.compile()`, the plain loop and FSDP2 by torchtitan's
   recipe (each block replaced by `torch.compile(block, fullgraph=True)`, FSDP2's `fully_shard`
   after it). `first_step_s` is the first step, compiling included (for every row: the eager rows'
