@@ -39,6 +39,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from zeroshard.config.batch import BATCH_KEYS, data_parallel_size, resolve_batch_triangle
 from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
+from zeroshard.config.compile import CompileConfig
 from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
@@ -162,6 +163,8 @@ class ZeroshardConfig(_Section):
     zeroshard: ZeroshardExtras = Field(default_factory=ZeroshardExtras)
     # AutoEP: swap a Hugging Face model's MoE blocks for expert-parallel layers (docs/moe.md).
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    # engine.compile(): torch.compile unit by unit; DeepCompile's keys refused (zeroshard/config/compile.py).
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     # zeroshard/monitor/: the step-time breakdown, FLOPs/MFU and the collective summary.
     wall_clock_breakdown: bool = False
     flops_profiler: dict[str, Any] | None = None
@@ -201,7 +204,7 @@ class ZeroshardConfig(_Section):
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
         {"optimizer", "scheduler", "seed", "train_batch_size", "train_micro_batch_size_per_gpu",
          "gradient_accumulation_steps", "sequence_parallel_size", "data_parallel_size",
-         "tensorboard", "wandb", "csv_monitor", "preemption"}
+         "tensorboard", "wandb", "csv_monitor", "preemption", "compile"}
     )
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
         "amp": _Unsupported(_disabled_section, "Use 'bf16', 'fp16' or 'torch_autocast'."),
@@ -218,7 +221,6 @@ class ZeroshardConfig(_Section):
         "quantize_training": _Unsupported(_disabled_section, "Remove it."),
         "eigenvalue": _Unsupported(_disabled_section, "Remove it."),
         "progressive_layer_drop": _Unsupported(_disabled_section, "Remove it."),
-        "compile": _Unsupported(_disabled_section, "Call torch.compile on your model yourself."),
         "weight_quantization": _Unsupported(_empty, "Remove it."),
         "tensor_parallel": _Unsupported(
             lambda v: _empty(v) or (isinstance(v, dict) and v.get("autotp_size", 1) in (0, 1)),

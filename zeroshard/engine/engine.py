@@ -24,6 +24,7 @@ from zeroshard.checkpoint.preempt import Preemption
 from zeroshard.comm import faults
 from zeroshard.engine import deterministic, setup
 from zeroshard.engine.api import EngineAPI
+from zeroshard.engine.compile import CompileMixin
 from zeroshard.engine.hf_compat import HFCompat
 from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.grads.accumulation import Accumulation
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zeroshard")
 
 
-class Engine(HFCompat, EngineAPI):
+class Engine(CompileMixin, HFCompat, EngineAPI):
     """A model wrapped for ZeRO data-parallel training (DeepSpeed's engine surface)."""
 
     def __init__(

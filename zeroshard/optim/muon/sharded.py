@@ -19,7 +19,7 @@ from zeroshard.optim.muon.maths import (
     fill_group_defaults,
     momentum_direction,
 )
-from zeroshard.optim.muon.newton_schulz import ns_input_dtype, orthogonalize, update_scale
+from zeroshard.optim.muon.newton_schulz import CompilableNewtonSchulz, ns_input_dtype, update_scale
 from zeroshard.optim.muon.settings import parse_muon_params
 from zeroshard.sharding.gather import GatherPiece, all_gather_shards
 from zeroshard.sharding.ranges import overlap
@@ -112,7 +112,7 @@ def _gather_over_shard_group(
     all_gather_shards([GatherPiece(source, target)], group=flat.spec.shard, tag="muon", wire_dtype=wire_dtype).wait()
 
 
-class ShardedMuon(torch.optim.Optimizer):
+class ShardedMuon(CompilableNewtonSchulz, torch.optim.Optimizer):
     """Muon over the engine's flat master tensors (see [Note: Muon in zeroshard]).
 
     Args:
@@ -213,7 +213,7 @@ class ShardedMuon(torch.optim.Optimizer):
         for tasks in mine.values():
             batch = torch.cat([t.layout.to_blocks(full_u.narrow(0, t.flat_offset, t.numel)) for t in tasks])
             with timed("newton_schulz"):  # a Muon figure (zeroshard/monitor/timers.py)
-                result = orthogonalize(batch, group["ns_steps"], group["ns_method"], compute_dtype)
+                result = self.orthogonalize(batch, group["ns_steps"], group["ns_method"], compute_dtype)
             for t, o in zip(tasks, result.split([t.blocks for t in tasks]), strict=True):
                 packed.narrow(0, t.pack_offset, t.numel).copy_(t.layout.from_blocks(o))
         if flat.shard_size > 1:
