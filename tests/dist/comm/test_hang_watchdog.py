@@ -1,0 +1,97 @@
+"""No silent hangs (issue 37; docs/reliability.md, "No hang past the timeout").
+
+Training loops that stop the ranks moving together as users' loops do. On main each of the
+first four killed both processes with a gloo SIGABRT ("Received data size doesn't match
+expected size") and no Python error; the others hung until the collective timeout. Now every
+rank raises HangError within hang_timeout_s + 15 s of the divergence (HANG_TIMEOUT_S = 3 s here,
+collective timeout 30 s), with the same diagnosis text on every rank, naming the collective
+where the ranks' sequences part, its unit, and the likely cause.
+
+The SIGKILL and SIGSTOP cases need real processes: tests/dist/comm/test_fault_injection.py.
+"""
+
+from __future__ import annotations
+
+from tests.dist.scenarios.hangs import (
+    HANG_TIMEOUT_S,
+    data_loader_sleeps,
+    moe_zero_tokens,
+    parameter_on_one_rank,
+    short_then_save,
+    skip_step,
+    unequal_micro_batches,
+)
+
+# The issue's bound: every rank ends within the hang timeout plus 15 s of the divergence.
+LIMIT_S = HANG_TIMEOUT_S + 15
+
+
+def _diagnosed_on_every_rank(outcomes: list[dict]) -> str:
+    """Every rank raised HangError in time with the same diagnosis; returns it."""
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["type"] == "HangError", (rank, outcome)
+        assert outcome["seconds"] < LIMIT_S, (rank, outcome["seconds"], outcome["diagnosis"])
+    texts = {outcome["diagnosis"] for outcome in outcomes}
+    assert len(texts) == 1, texts
+    return texts.pop()
+
+
+def test_a_rank_that_skips_step_at_stage_2(dist_pool) -> None:
+    """Rank 1 skips one step() (2 ranks, stage 2): its next backward's reduce-scatter against
+    rank 0's norm all-reduce aborted both processes before."""
+    text = _diagnosed_on_every_rank(dist_pool(2).run(skip_step, 2, 1, timeout=120))
+    assert "rank 0: waits" in text and "all_reduce 'norm'" in text, text
+    assert "reduce_scatter 'grad'" in text and "unit '<root>'" in text, text
+    assert "likely cause: rank 1 ran a backward of step 1 where rank 0 ran the optimizer step: rank 1 skipped " \
+        "a step() call" in text, text
+
+
+def test_a_rank_that_skips_step_at_stage_3_on_four_ranks(dist_pool) -> None:
+    """Rank 3 of 4 skips one step() at stage 3: the other three are grouped in one line."""
+    text = _diagnosed_on_every_rank(dist_pool(4).run(skip_step, 3, 3, timeout=180))
+    assert "ranks 0-2: waits" in text and "all_reduce 'norm'" in text, text
+    assert "rank 3: waits" in text and "all_gather 'param'" in text, text
+    assert "rank 3 ran a forward of step 1 where rank 0 ran the optimizer step" in text, text
+
+
+def test_one_optimizer_step_short_then_save_at_stage_3(dist_pool) -> None:
+    """Rank 1 stops one step early and saves while rank 0 is in its next forward."""
+    text = _diagnosed_on_every_rank(dist_pool(2).run(short_then_save, 1, timeout=120))
+    assert "all_gather 'param'" in text and "unit '<root>'" in text and "all_gather_object 'control'" in text, text
+    assert "likely cause: rank 1 entered save_checkpoint at step 2 while rank 0 was in its forward of step 2" in text
+
+
+def test_a_parameter_used_on_one_rank_only_at_stage_3(dist_pool) -> None:
+    """Rank 1's forward reads blocks[2]'s weight (32 wide) where rank 0 gathers blocks[1] (24
+    wide): different sizes on one transport aborted both processes before."""
+    text = _diagnosed_on_every_rank(dist_pool(2).run(parameter_on_one_rank, 1, timeout=120))
+    assert "first difference: collective #" in text, text
+    assert "rank 0 all_gather 'param'" in text and "unit 'blocks.1'" in text and "unit 'blocks.2'" in text, text
+    assert "likely cause: at stage 3 rank 0 gathers unit 'blocks.1' where rank 1 gathers unit 'blocks.2': a module " \
+        "or parameter used on some ranks only" in text, text
+
+
+def test_unequal_micro_batch_counts(dist_pool) -> None:
+    """gradient_accumulation_steps 2; rank 1 runs three micro-batches in step 1, then both save."""
+    text = _diagnosed_on_every_rank(dist_pool(2).run(unequal_micro_batches, 1, timeout=120))
+    assert "rank 1: waits" in text and "reduce_scatter 'grad'" in text and "micro-step 6" in text, text
+    assert "rank 0 entered save_checkpoint at step 3 while rank 1 was in its backward of step 3: the ranks ran " \
+        "different numbers of optimizer steps (or micro-batches)" in text, text
+
+
+def test_a_rank_stuck_in_its_data_loader(dist_pool) -> None:
+    """Rank 2 of 4 sleeps in its data loader (120 s); the others wait in the backward. After
+    the hang timeout every rank raises, rank 2 from inside its sleep."""
+    outcomes = dist_pool(4).run(data_loader_sleeps, 2, timeout=180)
+    text = _diagnosed_on_every_rank(outcomes)
+    assert "rank 2: is outside zeroshard" in text and "ranks 0, 1, 3: waits" in text, text
+    assert "likely cause: rank 2 is alive but outside zeroshard" in text and "data loader" in text, text
+    assert "outside zeroshard's collectives" in outcomes[2]["message"], outcomes[2]["message"]
+
+
+def test_an_expert_rank_with_zero_tokens_is_not_a_hang(dist_pool) -> None:
+    """MoE without drops, rank 1 with no token in step 1: every rank still joins the capacity
+    agreement and the exchanges, so training goes on and the watchdog stays quiet."""
+    for outcome in dist_pool(2).run(moe_zero_tokens, 1, 2, timeout=120):
+        assert outcome["type"] is None and outcome["verdict"] is None, outcome
+        assert outcome["global_steps"] == 3 and len(outcome["losses"]) == 3, outcome
