@@ -4,6 +4,7 @@
     python benchmarks/interleaved.py --world-size 4 --mode bf16 --steps 20
     python benchmarks/interleaved.py --config-extra '{"zero_optimization": {"reduce_bucket_size": 200000}}'
     python benchmarks/interleaved.py --device cuda --mode bf16   # NCCL, one GPU per rank
+    python benchmarks/interleaved.py --engines s2-bare,s2,s3-bare,s3   # the hang watchdog's cost
     git worktree add /tmp/before <commit>                      # before/after a change:
     python benchmarks/interleaved.py --zeroshard-root /tmp/before --json before.json
 
@@ -100,8 +101,19 @@ def _zeroshard_runner(workload, mode: str, name: str, extra: dict, device: torch
         # Stage 3 without its direct-use mode (zeroshard/sharding/direct_use.py): the floor its
         # cost is measured against. Only for models that use no parameter outside its unit.
         engine._grads.params._mode = None
+    elif variant == "bare":
+        # Its collectives neither recorded for the hang watchdog nor put on their phase's
+        # channel, waited for plainly (zeroshard/comm/progress.py's `bypassed`): the floor the
+        # watchdog's cost is measured against (the watchdog thread itself runs for both).
+        from zeroshard.comm import progress
+
+        def bare(x, y):
+            with progress.bypassed():
+                return deepspeed_style_step(engine, x, y, device=device)[1]
+
+        return bare
     elif variant:
-        raise ValueError(f"--engines {name}: unknown variant {variant!r} (known: nodirectuse)")
+        raise ValueError(f"--engines {name}: unknown variant {variant!r} (known: nodirectuse, bare)")
     return lambda x, y: deepspeed_style_step(engine, x, y, device=device)[1]
 
 
@@ -180,7 +192,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r")
     parser.add_argument("--engines", default="ddp,s0,s1,s2,s3", help="ddp and/or sN (zeroshard stage N); "
-                        "ratios are to the first; s3-nodirectuse: stage 3 without its direct-use mode")
+                        "ratios are to the first; s3-nodirectuse: stage 3 without its direct-use mode; sN-bare: "
+                        "stage N without the hang watchdog's record and channels (docs/reliability.md)")
     parser.add_argument("--config-extra", default="{}", help="JSON merged into every zeroshard config, e.g. "
                         "'{\"zero_optimization\": {\"reduce_bucket_size\": 200000}}'")
     parser.add_argument("--model", default="small")

@@ -124,16 +124,19 @@ def _new(ranks: tuple[int, ...], timeout_s: float | None) -> Callable[[], Any]:
 
 def open_channels(ranks: tuple[int, ...], handle: Any, timeout_s: float | None, join: Callable[[str], None]) -> None:
     """Make the phase channels of the group `handle` over `ranks` (this rank a member), once per
-    rank set: collective over its members, in the same order on each. `join(name)` is told each
-    channel this rank belongs to (the progress record counts from 0). gloo only."""
-    if handle is None or len(ranks) < 2 or not _is_gloo(handle):
+    rank set: collective over its members, in the same order on each (gloo only). `join(name)`
+    is told each channel this rank belongs to, the group itself included on any backend (the
+    progress record counts from 0)."""
+    if handle is None or len(ranks) < 2:
+        return
+    key = group_key(ranks)
+    join(f"@{key}")  # the group itself, on any backend
+    if not _is_gloo(handle):
         return
     registry = _registry.current()
     phases = registry.phases.get(ranks)
     if phases is None:
         phases = registry.phases[ranks] = {kind: _new(ranks, timeout_s) for kind in sorted(set(KINDS.values()))}
-    key = group_key(ranks)
-    join(f"@{key}")
     for kind in phases:
         join(f"{kind}@{key}")
 

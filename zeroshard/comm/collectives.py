@@ -129,12 +129,15 @@ def _issue(name: str, tensor: torch.Tensor, wire_numel: int, numel: int | None, 
     blocking one is waited for here. `wire_numel`: this rank's input elements (the channel of a
     gather), `numel`: the progress record's (None where ranks legitimately differ)."""
     what = _describe(name, tag, group)
-    route = channels.route(
-        group.ranks, group.handle, progress.state.channel_call(), name, tag, wire_numel, tensor.dtype
-    )
-    entry = progress.state.issued(
-        name, tensor.dtype, numel, tag, channels.group_key(group.ranks), group.size, route.channel
-    )
+    if progress.state.enabled:
+        route = channels.route(
+            group.ranks, group.handle, progress.state.channel_call(), name, tag, wire_numel, tensor.dtype
+        )
+        entry = progress.state.issued(
+            name, tensor.dtype, numel, tag, channels.group_key(group.ranks), group.size, route.channel
+        )
+    else:  # progress.bypassed(): as before the progress record
+        route, entry = channels.Route(group.handle, "", False), None
     try:
         work = fn(*args, group=route.handle, async_op=True, **kwargs)
     except Exception as exc:

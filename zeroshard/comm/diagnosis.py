@@ -185,6 +185,12 @@ def _first_difference(a: int, b: int, rings: dict[int, list]) -> tuple[int, Reco
     return None
 
 
+def _waits_in(rec: Record | None, entry: Record) -> bool:
+    """Whether the rank's record says it waits in `entry` (then the position lines show it)."""
+    current = rec.get("current") if rec is not None else None
+    return bool(rec and rec["state"] == "waiting" and current and current["seq"] == entry["seq"])
+
+
 def _groups(records: dict[int, Record | None], stale: dict[int, float]) -> list[tuple[list[int], str]]:
     """Ranks with the same position together, in rank order of their first member."""
     by_text: dict[str, list[int]] = {}
@@ -307,8 +313,11 @@ def compose(decision: Decision, records: dict[int, Record | None], stale: dict[i
             difference = (found[0], a, b, found[1], found[2])
     if difference is not None:
         seq, a, b, ea, eb = difference
-        left = entry_text(ea) if ea else "(not issued)"
-        right = entry_text(eb) if eb else "(not issued)"
-        lines.append(f"first difference: collective #{seq}: rank {a} {left}; rank {b} {right}")
+        if ea and eb and _waits_in(records.get(a), ea) and _waits_in(records.get(b), eb):
+            lines.append(f"first difference: collective #{seq}, where rank {a} and rank {b} wait (above)")
+        else:
+            left = entry_text(ea) if ea else "(not issued)"
+            right = entry_text(eb) if eb else "(not issued)"
+            lines.append(f"first difference: collective #{seq}: rank {a} {left}; rank {b} {right}")
     lines.append("likely cause: " + _cause(decision, records, stale, difference))
     return "\n".join(lines)

@@ -39,12 +39,15 @@ import torch
 
 from zeroshard.comm import faults
 
-__all__ = ["RING_SIZE", "Entry", "Progress", "state", "phase", "wait", "engine_position"]
+__all__ = ["RING_SIZE", "Entry", "Progress", "state", "phase", "wait", "engine_position", "bypassed"]
 
 RING_SIZE = 512
 # How long a gloo wait blocks before it looks at the verdict again: a completed collective
 # returns at once, so this costs nothing unless the collective is stuck.
 WAIT_SLICE = timedelta(seconds=0.25)
+# NCCL collectives whose completion the watchdog has not seen yet; beyond this many the oldest
+# (long completed in practice) are forgotten.
+MAX_PENDING = 4096
 
 # An engine call -> the name its collectives' phase takes ("evaluation": a forward with no grad
 # or in eval mode).
@@ -131,6 +134,8 @@ class Progress:
         # Set by a running watchdog: given a failed collective's error text, waits a bounded
         # time for the diagnosis and returns it (None: no watchdog, or none came).
         self.failure_hook: Callable[[str], str | None] | None = None
+        # False inside `bypassed()`: collectives go on their groups, unrecorded, waited plainly.
+        self.enabled = True
 
     # ----------------------------------------------------------------- the engine
     def call_started(self, name: str, step: int | None, micro_step: int | None) -> None:
@@ -253,6 +258,18 @@ def phase(name: str, step: int | None = None, micro_step: int | None = None) -> 
         state.call_ended(name)
 
 
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """Inside the block collectives are neither recorded nor routed to channels and are waited
+    for plainly, as before issue 37: only to measure what the record costs
+    (benchmarks/interleaved.py's `-bare` engines). Every rank must bypass the same collectives."""
+    previous, state.enabled = state.enabled, False
+    try:
+        yield
+    finally:
+        state.enabled = previous
+
+
 def engine_position() -> tuple[int | None, int | None]:
     return state.step, state.micro_step
 
@@ -274,6 +291,8 @@ def wait(work: Any, entry: Entry | None, sliced: bool) -> None:
                 entry.event = torch.cuda.Event()
                 entry.event.record()
                 p.pending.append(entry)
+                if len(p.pending) > MAX_PENDING:  # the watchdog drops completed ones each tick
+                    p.pending.popleft()
             else:
                 entry.done = now
         return

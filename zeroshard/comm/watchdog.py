@@ -49,6 +49,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -143,7 +144,10 @@ class Watchdog(threading.Thread):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeouts = timeouts
         self.nccl = "nccl" in backend
-        self.world = dist.group.WORLD
+        # Weakly: the thread must not keep the group alive past destroy_process_group
+        # ([Note: process-group lifetime] in zeroshard/launch/distributed.py).
+        world = dist.group.WORLD
+        self.world = weakref.ref(world) if world is not None else (lambda: None)
         self.halt = threading.Event()
         self.hb = 0
         self.delivered = False
@@ -167,7 +171,7 @@ class Watchdog(threading.Thread):
         except Exception as exc:
             logger.warning("zeroshard watchdog: the rendezvous store failed (%s: %s)", type(exc).__name__, exc)
         while not self.halt.wait(self.timeouts.tick_s):
-            if not dist.is_initialized() or dist.group.WORLD is not self.world:
+            if not dist.is_initialized() or dist.group.WORLD is not self.world():
                 return  # the world this thread watched is gone
             try:
                 self.tick()
@@ -388,7 +392,7 @@ def start(timeouts: Timeouts, backend: str) -> Watchdog | None:
         stop()
         return None
     current = running()
-    if current is not None and current.world is dist.group.WORLD:
+    if current is not None and current.world() is dist.group.WORLD:
         current.timeouts = timeouts
         return current
     stop()

@@ -12,6 +12,10 @@ The SIGKILL and SIGSTOP cases need real processes: tests/dist/comm/test_fault_in
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+from tests.dist.harness import discard_workers
 from tests.dist.scenarios.hangs import (
     HANG_TIMEOUT_S,
     data_loader_sleeps,
@@ -22,6 +26,7 @@ from tests.dist.scenarios.hangs import (
     unequal_micro_batches,
 )
 
+REPO_ROOT = Path(__file__).resolve().parents[3]
 # The issue's bound: every rank ends within the hang timeout plus 15 s of the divergence.
 LIMIT_S = HANG_TIMEOUT_S + 15
 
@@ -65,8 +70,10 @@ def test_a_parameter_used_on_one_rank_only_at_stage_3(dist_pool) -> None:
     """Rank 1's forward reads blocks[2]'s weight (32 wide) where rank 0 gathers blocks[1] (24
     wide): different sizes on one transport aborted both processes before."""
     text = _diagnosed_on_every_rank(dist_pool(2).run(parameter_on_one_rank, 1, timeout=120))
-    assert "first difference: collective #" in text, text
-    assert "rank 0 all_gather 'param'" in text and "unit 'blocks.1'" in text and "unit 'blocks.2'" in text, text
+    # Different sizes wait on different channels: each rank waits in its own gather.
+    assert "rank 0: waits" in text and "(808 x float32; forward, step 0, micro-step 0, unit 'blocks.1')" in text, text
+    assert "rank 1: waits" in text and "(1072 x float32; forward, step 0, micro-step 0, unit 'blocks.2')" in text, text
+    assert "first difference: collective #8, where rank 0 and rank 1 wait (above)" in text, text
     assert "likely cause: at stage 3 rank 0 gathers unit 'blocks.1' where rank 1 gathers unit 'blocks.2': a module " \
         "or parameter used on some ranks only" in text, text
 
@@ -95,3 +102,27 @@ def test_an_expert_rank_with_zero_tokens_is_not_a_hang(dist_pool) -> None:
     for outcome in dist_pool(2).run(moe_zero_tokens, 1, 2, timeout=120):
         assert outcome["type"] is None and outcome["verdict"] is None, outcome
         assert outcome["global_steps"] == 3 and len(outcome["losses"]) == 3, outcome
+
+
+def _run_hang_example() -> str:
+    """Rank-side: examples/hang_diagnosis.py as its __main__ (as torchrun would run it)."""
+    from tests.dist.compat.test_examples import run_example_script
+
+    printed = run_example_script("hang_diagnosis.py")
+    discard_workers()  # its collectives are still in flight (the example's script just ends)
+    return printed
+
+
+def _masked(text: str) -> str:
+    """The text without what changes from run to run: the seconds waited, and the collective
+    numbers (they count every collective the process issued, and pooled workers ran others)."""
+    return re.sub(r"#\d+", "#N", re.sub(r"waits \d+(\.\d+)? s", "waits N s", text)).strip()
+
+
+def test_the_documented_diagnosis_is_what_the_example_prints(dist_pool) -> None:
+    """docs/reliability.md's transcript is examples/hang_diagnosis.py's output on 2 ranks (rank 0
+    prints), but for the seconds and the collective numbers (see `_masked`)."""
+    printed = dist_pool(2).run(_run_hang_example, timeout=120)[0]
+    page = (REPO_ROOT / "docs" / "reliability.md").read_text(encoding="utf-8")
+    documented = re.search(r"<!-- hang-transcript -->\n```text\n(.*?)```", page, re.S).group(1)
+    assert _masked(printed) == _masked(documented), printed
