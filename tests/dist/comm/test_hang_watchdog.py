@@ -73,7 +73,7 @@ def test_a_parameter_used_on_one_rank_only_at_stage_3(dist_pool) -> None:
     # Different sizes wait on different channels: each rank waits in its own gather.
     assert "rank 0: waits" in text and "(808 x float32; forward, step 0, micro-step 0, unit 'blocks.1')" in text, text
     assert "rank 1: waits" in text and "(1072 x float32; forward, step 0, micro-step 0, unit 'blocks.2')" in text, text
-    assert "first difference: collective #8, where rank 0 and rank 1 wait (above)" in text, text
+    assert re.search(r"first difference: collective #\d+, where rank 0 and rank 1 wait \(above\)", text), text
     assert "likely cause: at stage 3 rank 0 gathers unit 'blocks.1' where rank 1 gathers unit 'blocks.2': a module " \
         "or parameter used on some ranks only" in text, text
 
