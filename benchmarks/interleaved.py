@@ -170,7 +170,12 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         for name in names:
             median = statistics.median(times[name])
             fwd, bwd, opt = (statistics.median(p[j] for p in phases[name]) for j in range(3))
+            # Step by step against the first engine (the same batch, moments apart), then the
+            # median: steadier than a ratio of medians when the machine's load moves a lot.
+            paired = statistics.median(t / b for t, b in zip(times[name], times[names[0]], strict=True))
+            paired_cpu = statistics.median(t / b for t, b in zip(cpu[name], cpu[names[0]], strict=True))
             rows.append({"engine": name, "step_ms": median, "ratio": median / base,
+                         "paired_ratio": paired, "paired_cpu_ratio": paired_cpu,
                          "cpu_ms": statistics.median(cpu[name]),
                          "cpu_ratio": statistics.median(cpu[name]) / cpu_base,
                          "forward_ms": fwd, "backward_ms": bwd, "step_phase_ms": opt,
@@ -225,6 +230,8 @@ def main() -> None:
         print(f"{r['engine']:>7} {r['step_ms']:>8.1f} {r['ratio']:>6.3f} {r['forward_ms']:>7.1f} "
               f"{r['backward_ms']:>7.1f} {r['step_phase_ms']:>7.1f} {r['cpu_ms']:>7.1f} {r['cpu_ratio']:>6.3f}"
               + (f" {r['step_peak_over_resting_mib']:>13.1f}" if gpu else ""))
+    paired = (f"{r['engine']} {r['paired_ratio']:.3f} (cpu {r['paired_cpu_ratio']:.3f})" for r in result["rows"])
+    print(f"paired with {result['rows'][0]['engine']} step by step (median of per-step ratios): " + ", ".join(paired))
     print(f"wrote {args.json}", file=sys.stderr)
 
 

@@ -6,7 +6,7 @@ rank it can reach, well before `zeroshard.collective_timeout_s`.
 Store: the default group's own (torchrun's agent store, or the one `init_distributed` made; a
 TCPStore gets a second client connection to the same server, `clone()`, so this thread never
 queues behind a store wait of the main thread; no new port), under
-`zeroshard/progress/<run>/<generation>/`. Every tick (`Timeouts.tick_s`: a quarter of
+`zeroshard/progress/<run>/<generation>/`. Every tick (`Timeouts.tick_s`: a sixteenth of
 `hang_timeout_s`, at most 5 s) a rank writes its record (`rec/<rank>`, ~300 bytes: heartbeat,
 state, the collective it waits in and for how long, its collectives per channel: see
 zeroshard/comm/diagnosis.py) and reads one key (`status`). That is all a healthy job costs: two
@@ -15,7 +15,7 @@ benchmarks/watchdog_store.py measures 64 simulated ranks).
 
 A rank that has waited in a collective for two ticks, or whose collective failed, offers to
 decide (`decider`, a compare-and-set claim with a heartbeat: a stopped decider is replaced after
-three ticks). Only the decider reads every record, once per tick, and applies
+three ticks, and at least STALE_MIN_S). Only the decider reads every record, once per tick, and applies
 `diagnosis.decide`: a certain deadlock (every rank waits, no awaited collective has been issued
 by all of its transport's members, unchanged for a tick) or a mismatch is named at once; a rank
 that waited longer than `hang_timeout_s` (in the process's first step, `hang_first_step_timeout_s`)
@@ -69,6 +69,8 @@ DEFAULT_HANG_TIMEOUT_S = 300.0
 # after which a rank counts as stopped; ticks a failed collective waits for the diagnosis.
 DECIDE_AFTER_TICKS = 1
 STALE_TICKS = 3
+# ... and at least this long: a busy machine can hold a healthy rank's thread back for a second.
+STALE_MIN_S = 1.5
 FAILURE_WAIT_TICKS = STALE_TICKS + 5
 # The signal that interrupts a main thread outside zeroshard (a real-time one: no default use).
 INTERRUPT_SIGNAL = getattr(signal, "SIGRTMIN", 34) + 6 if hasattr(signal, "pthread_kill") else None
@@ -88,7 +90,9 @@ class Timeouts:
 
     @property
     def tick_s(self) -> float:
-        return min(5.0, max(0.2, self.hang_timeout_s / 4))
+        # A sixteenth of the timeout: a deadlock (four or five ticks) is named in under a third of
+        # it. The 5 s cap sets the store's load at scale (any timeout from 80 s up: see the note).
+        return min(5.0, max(0.2, self.hang_timeout_s / 16))
 
     def named(self) -> dict[str, float]:
         return {"hang_timeout_s": self.hang_timeout_s, "hang_first_step_timeout_s": self.first_step_timeout_s,
@@ -226,6 +230,11 @@ class Watchdog(threading.Thread):
         }
 
     # ------------------------------------------------------------- deciding
+    @property
+    def stale_after_s(self) -> float:
+        """A heartbeat unchanged this long means a stopped or dead rank."""
+        return max(STALE_TICKS * self.timeouts.tick_s, STALE_MIN_S)
+
     def claim(self) -> bool:
         """Whether this rank is the decider (claiming the role, or taking it from a stopped one)."""
         mine = f"{self.rank}:{self.hb}".encode()
@@ -240,7 +249,7 @@ class Watchdog(threading.Thread):
         if self.claim_seen is None or self.claim_seen[0] != now:
             self.claim_seen = (now, time.monotonic())
             return False
-        if time.monotonic() - self.claim_seen[1] > STALE_TICKS * self.timeouts.tick_s:
+        if time.monotonic() - self.claim_seen[1] > self.stale_after_s:
             taken = self.store.compare_set("decider", now, mine)  # the decider stopped: take over
             if taken == mine:
                 self.my_claim = mine
@@ -270,7 +279,7 @@ class Watchdog(threading.Thread):
             if hb != rec["hb"]:
                 self.seen[r] = (rec["hb"], now)
                 continue
-            if now - since > STALE_TICKS * self.timeouts.tick_s:
+            if now - since > self.stale_after_s:
                 stale[r] = now - since
         return stale
 
@@ -284,7 +293,7 @@ class Watchdog(threading.Thread):
         moved = all(heartbeats.get(r, -1) > hb for r, hb in self.last_heartbeats.items() if r not in stale)
         stable = positions == self.last_positions and moved and bool(self.last_heartbeats)
         self.last_positions, self.last_heartbeats = positions, heartbeats
-        judged = time.monotonic() - (self.deciding_since or 0.0) > STALE_TICKS * self.timeouts.tick_s
+        judged = time.monotonic() - (self.deciding_since or 0.0) > self.stale_after_s
         decision = diagnosis.decide(records, set(stale), stable, judged)
         if decision is None:
             return
@@ -329,7 +338,7 @@ class Watchdog(threading.Thread):
 
     def await_diagnosis(self, error: str) -> str | None:
         """A collective of this rank failed: the diagnosis within FAILURE_WAIT_TICKS ticks, or None."""
-        deadline = time.monotonic() + FAILURE_WAIT_TICKS * self.timeouts.tick_s + 1.0
+        deadline = time.monotonic() + FAILURE_WAIT_TICKS * self.timeouts.tick_s + self.stale_after_s + 1.0
         while time.monotonic() < deadline and self.is_alive():
             if progress.state.verdict is not None:
                 return progress.state.verdict

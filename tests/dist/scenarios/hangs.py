@@ -24,20 +24,25 @@ from tests.dist.harness import discard_workers
 from tests.dist.reference import build_model, global_batches, micro_batch
 from zeroshard.comm import progress
 
+# The timeout of the one scenario that needs it (a rank stuck in its data loader: no deadlock,
+# the others wait for it). The divergences are deadlocks, named within a few ticks whatever the
+# timeout: they run with a longer one (DEADLOCK_HANG_TIMEOUT_S), so that a rank descheduled for
+# seconds on a loaded machine before the divergence is not taken for a stuck one.
 HANG_TIMEOUT_S = 3.0
+DEADLOCK_HANG_TIMEOUT_S = 8.0
 # The hard bound the diagnosis must beat by far; long enough that gloo's own timeout never
 # fires first on a loaded machine.
 COLLECTIVE_TIMEOUT_S = 30.0
 
 
-def config(stage: int, ga: int = 1, **zeroshard_keys: Any) -> dict[str, Any]:
+def config(stage: int, ga: int = 1, hang_timeout_s: float = DEADLOCK_HANG_TIMEOUT_S) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": ga,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "zeroshard": {"collective_timeout_s": COLLECTIVE_TIMEOUT_S, "hang_timeout_s": HANG_TIMEOUT_S,
-                      "hang_first_step_timeout_s": HANG_TIMEOUT_S, **zeroshard_keys},
+        "zeroshard": {"collective_timeout_s": COLLECTIVE_TIMEOUT_S, "hang_timeout_s": hang_timeout_s,
+                      "hang_first_step_timeout_s": hang_timeout_s},
     }
 
 
@@ -178,7 +183,7 @@ def parameter_on_one_rank(reader: int, steps: int = 2) -> dict[str, Any]:
 def data_loader_sleeps(bad_rank: int, sleep_s: float = 120.0, steps: int = 4) -> dict[str, Any]:
     """Stage 2: `bad_rank`'s data loader blocks (a sleep far past every timeout) before step 2's
     batch; the others go on into the backward and wait there."""
-    engine, *_ = zeroshard.initialize(model=build_model(0), config=config(2))
+    engine, *_ = zeroshard.initialize(model=build_model(0), config=config(2, hang_timeout_s=HANG_TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     outcome, error = _Outcome(), None
     try:

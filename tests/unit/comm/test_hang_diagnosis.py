@@ -151,7 +151,7 @@ def test_timeouts_follow_the_collective_timeout_unless_set():
     timeouts, problems = resolve_timeouts(None, None, 600.0)
     assert (timeouts.hang_timeout_s, timeouts.first_step_timeout_s, problems) == (300.0, 450.0, [])
     timeouts, _ = resolve_timeouts(None, None, 8.0)  # a test's few seconds: the watchdog speaks first
-    assert (timeouts.hang_timeout_s, timeouts.first_step_timeout_s, timeouts.tick_s) == (4.0, 6.0, 1.0)
+    assert (timeouts.hang_timeout_s, timeouts.first_step_timeout_s, timeouts.tick_s) == (4.0, 6.0, 0.25)
     assert not resolve_timeouts(0.0, None, 600.0)[0].enabled
 
 
