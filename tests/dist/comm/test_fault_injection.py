@@ -35,7 +35,7 @@ TIMEOUT_S = 4.0
 PROCESS_LIMIT_S = 120.0
 # The watchdog's timeout (zeroshard.hang_timeout_s unset: half of the collective timeout) and
 # how much later the error may come: the bound, 15 s (the decision takes a few ticks of
-# 0.5 s; the machine is shared).
+# 0.2 s and a heartbeat 1.5 s stale; the machine is shared).
 HANG_TIMEOUT_S = TIMEOUT_S / 2
 LATE_S = 15.0
 
