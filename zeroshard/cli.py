@@ -1,4 +1,5 @@
-"""The `zeroshard` command: explain (zeroshard.tools.explain), demo, to-fp32 (zeroshard.checkpoint),
+"""The `zeroshard` command: explain (zeroshard.tools.explain), simulate (zeroshard.tools.simulate), demo,
+to-fp32 (zeroshard.checkpoint),
 from-deepspeed / to-deepspeed (zeroshard.checkpoint.deepspeed), report (zeroshard.tools.report),
 launch (zeroshard.launch.torchrun), install-deepspeed-alias (zeroshard.tools.deepspeed_alias).
 
@@ -33,7 +34,10 @@ def _positive_int(text: str) -> int:
 
 def _run_explain(args: argparse.Namespace) -> int:
     try:
-        data = explain_data(args.config, args.world_size, args.model, args.params)
+        data = explain_data(
+            args.config, args.world_size, args.model, args.params, hf_config=args.hf_config, seq=args.seq,
+            micro_batch=args.micro_batch, activation_checkpointing=args.activation_checkpointing, device=args.device,
+        )
     except ConfigError as exc:
         print(f"zeroshard explain: {args.config}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -65,13 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("config", metavar="CONFIG", help="DeepSpeed-style JSON config file")
     presets = preset_names()
-    explain.add_argument(
+    source = explain.add_mutually_exclusive_group()
+    source.add_argument(
         "--model",
         metavar="PRESET|module:factory",
-        help="count parameters per precision group, built on the meta device"
+        help="the model: its parameters per precision group, and each rank's peak memory traced on fake tensors"
         + (f" (presets: {', '.join(presets)})" if presets else ""),
     )
-    explain.add_argument("--params", type=_positive_int, metavar="N", help="estimate memory for N parameters")
+    source.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder): the model "
+                        "built from it, without weights")
+    source.add_argument("--params", type=_positive_int, metavar="N",
+                        help="estimate model states and buffer bounds for N parameters (no activations)")
+    explain.add_argument("--seq", type=_positive_int, metavar="S",
+                         help="tokens per sample (default: the model's longest)")
+    explain.add_argument("--micro-batch", type=_positive_int, metavar="M",
+                         help="samples per micro-step (default: the config's train_micro_batch_size_per_gpu)")
+    explain.add_argument("--activation-checkpointing", action="store_true",
+                         help="each unit recomputes its activations in backward (torch.utils.checkpoint)")
+    explain.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                         help="where it trains: an accelerator (default) or the CPU (one memory)")
     explain.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="ranks (default 1)")
     explain.add_argument("--json", action="store_true", help="print JSON instead of tables")
     explain.set_defaults(handler=_run_explain)
@@ -112,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     alias.add_argument("--target", metavar="DIR", help="install into DIR instead of this environment's site-packages")
     alias.add_argument("--uninstall", action="store_true", help="remove the alias")
     alias.set_defaults(handler=_run_install_deepspeed_alias)
+    from zeroshard.tools.simulate import add_command as add_simulate_command
+
+    add_simulate_command(sub, _positive_int)
     sub.add_parser(
         "launch",
         help="run a training script with torchrun (see `zeroshard launch --help`)",

@@ -58,6 +58,7 @@ from zeroshard.checkpoint.write import (
     write_rank0_files,
     write_rank_file,
 )
+from zeroshard.comm.simulated import refuse_in_simulation
 from zeroshard.moe.autoep.export import hf_layouts
 from zeroshard.sharding.ranges import overlap
 
@@ -132,8 +133,9 @@ def _sampler_state(engine: Any) -> dict[str, Any] | None:
 
 
 def _host_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A synchronous save writes before training resumes: no copy where the tensor is on the host."""
-    return tensor.contiguous().cpu()
+    """A synchronous save writes before training resumes: no copy here. The rank file's writer
+    brings each tensor to the host as it writes it (write.py), so the host holds one at a time."""
+    return tensor.contiguous()
 
 
 def rank_tensors(
@@ -343,6 +345,8 @@ def rank0_state(
         "counters": {
             "global_steps": engine.global_steps,
             "micro_steps": engine.micro_steps,
+            # micro_steps' unit: a load at another accumulation restores the position in windows.
+            "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
             "skipped_steps": engine.skipped_steps,
             "global_samples": engine.global_samples,
         },
@@ -467,6 +471,7 @@ def save_checkpoint(
     Returns:
         The checkpoint's directory.
     """
+    refuse_in_simulation("save_checkpoint")
     if save_dir is None or os.fspath(save_dir) == "":
         # Path("") is the working directory: DeepSpeed 0.19 refuses it rather than write there.
         raise CheckpointError(

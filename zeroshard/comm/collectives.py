@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import channels, faults, progress
+from zeroshard.comm import channels, faults, progress, simulated
 from zeroshard.comm import compat as _compat
 
 __all__ = [
@@ -59,6 +59,10 @@ __all__ = [
     "open_gather_channels",
 ]
 
+_FLOAT8 = frozenset(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
 _timeout_s: float | None = None  # what set_timeout last applied (named in errors)
 
 
@@ -66,7 +70,8 @@ def set_timeout(group: Group, seconds: float) -> None:
     """Make `seconds` the timeout of `group`'s collectives (a group this process already has)."""
     global _timeout_s
     _timeout_s = seconds
-    if group.handle is not None:
+    # A simulated group never waits for a peer (zeroshard/comm/simulated.py): no timeout to set.
+    if group.handle is not None and not simulated.is_simulated(group.handle):
         timeout = timedelta(seconds=seconds)
         _compat.set_group_timeout(group.handle, timeout)
         channels.set_timeout(group.ranks, timeout, _compat.set_group_timeout)
@@ -223,10 +228,13 @@ def new_group(members: tuple[int, ...], world: Group, timeout_s: float | None = 
 
 def backend_name(group: Group) -> str:
     """The backend `group`'s collectives run on ("nccl", "gloo", ...); "" for a group of one
-    (no collective runs)."""
+    (no collective runs). A simulated group answers for the backend it stands in for, "nccl"
+    on CUDA and "gloo" on the CPU (zeroshard/comm/simulated.py), so the engine makes the choices
+    it would make on real ranks (bucket sizes, gloo's reduce-scatter as an all-reduce)."""
     if group.handle is None:
         return ""
-    return str(dist.get_backend(group.handle))
+    emulated = simulated.emulated_backend(group.handle)
+    return emulated if emulated is not None else str(dist.get_backend(group.handle))
 
 
 def _check(group: Group) -> Group:
@@ -376,7 +384,7 @@ def _reduce_scatter_runs_as_all_reduce(group: Group) -> bool:
     took 1.1-2.4x as long at 0.2-10 M elements on 2 ranks (benchmarks/collectives.py,
     docs/benchmarks.md).
     NCCL's reduce-scatter moves half the bytes of its all-reduce, so it is used there."""
-    return dist.get_backend(group.handle) == "gloo"
+    return backend_name(group) == "gloo"
 
 
 def reduce_scatter(
@@ -422,8 +430,13 @@ def all_gather(
         return None if async_op else output
     assert output.numel() == input.numel() * ws, "all_gather sizes disagree"
     done = _record("all_gather", input, output.numel(), tag, group)
+    wire_in, wire_out = input, output
+    if input.dtype in _FLOAT8:
+        # An all-gather copies bytes: fp8 travels as its uint8 view (gloo has no fp8 type); the
+        # recorder, the progress record and the gather's channel see the fp8 dtype on the wire.
+        wire_out, wire_in = output.view(torch.uint8), input.view(torch.uint8)
     work = _issue("all_gather", input, input.numel(), output.numel(), tag, group, _compat.all_gather_single,
-                  output.view(-1), input.view(-1), async_op=async_op, then=done)
+                  wire_out.view(-1), wire_in.view(-1), async_op=async_op, then=done)
     return work if async_op else output
 
 

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import diagnosis, progress
+from zeroshard.comm import diagnosis, progress, simulated
 
 __all__ = ["Timeouts", "resolve_timeouts", "start", "stop", "running", "BACKENDS"]
 
@@ -392,12 +392,14 @@ def running() -> Watchdog | None:
 
 def start(timeouts: Timeouts, backend: str) -> Watchdog | None:
     """Start this process's watchdog for the current world (or give the running one these
-    timeouts). None when it does not apply: disabled, no process group, a world of one, or a
-    backend other than gloo and NCCL."""
+    timeouts). None when it does not apply: disabled, no process group, a world of one, a
+    backend other than gloo and NCCL, or a simulated world."""
     global _watchdog, _generation, _exit_registered
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    if not timeouts.enabled or not any(name in backend for name in BACKENDS):
+    # A simulated world (zeroshard/comm/simulated.py) names gloo or NCCL as its backend but moves
+    # no data and has no peer to publish to: nothing waits, nothing to watch.
+    if not timeouts.enabled or not any(name in backend for name in BACKENDS) or simulated.is_simulated():
         stop()
         return None
     current = running()

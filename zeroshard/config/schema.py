@@ -39,9 +39,11 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from zeroshard.config.batch import BATCH_KEYS, data_parallel_size, resolve_batch_triangle
 from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
+from zeroshard.config.compile import CompileConfig
 from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
+from zeroshard.config.fp8 import Fp8Config
 from zeroshard.config.integration_values import StepsPerPrint, dotted_top_level_key
 from zeroshard.config.monitor import COMET_REFUSAL, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from zeroshard.config.preemption import PreemptionConfig
@@ -115,6 +117,10 @@ class ZeroshardExtras(_Section):
         peak_tflops: this device's peak TFLOP/s, the flops_profiler's MFU denominator
             (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
             of the profile (zeroshard/monitor/flops.py).
+        fp8: fp8 compute for large Linear layers (zeroshard/config/fp8.py).
+        memory_budget_gb: GiB (2^30 bytes) a rank may use; `initialize` and the first forward
+            refuse a config whose predicted peak exceeds it (docs/memory.md). Unset: the
+            accelerator's memory (no check on the CPU); null: no check.
     """
 
     unit_module_classes: list[str] | None = None
@@ -125,6 +131,8 @@ class ZeroshardExtras(_Section):
     hang_timeout_s: float | None = Field(None, ge=0)
     hang_first_step_timeout_s: float | None = Field(None, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
+    fp8: Fp8Config = Field(default_factory=Fp8Config)
+    memory_budget_gb: float | None = Field(None, gt=0)
 
 
 class ZeroshardConfig(_Section):
@@ -159,6 +167,8 @@ class ZeroshardConfig(_Section):
     zeroshard: ZeroshardExtras = Field(default_factory=ZeroshardExtras)
     # AutoEP: swap a Hugging Face model's MoE blocks for expert-parallel layers (docs/moe.md).
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    # engine.compile(): torch.compile unit by unit; DeepCompile's keys refused (zeroshard/config/compile.py).
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     # zeroshard/monitor/: the step-time breakdown, FLOPs/MFU and the collective summary.
     wall_clock_breakdown: bool = False
     flops_profiler: dict[str, Any] | None = None
@@ -198,7 +208,7 @@ class ZeroshardConfig(_Section):
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
         {"optimizer", "scheduler", "seed", "train_batch_size", "train_micro_batch_size_per_gpu",
          "gradient_accumulation_steps", "sequence_parallel_size", "data_parallel_size",
-         "tensorboard", "wandb", "csv_monitor", "preemption"}
+         "tensorboard", "wandb", "csv_monitor", "preemption", "compile"}
     )
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
         "amp": _Unsupported(_disabled_section, "Use 'bf16', 'fp16' or 'torch_autocast'."),
@@ -215,7 +225,6 @@ class ZeroshardConfig(_Section):
         "quantize_training": _Unsupported(_disabled_section, "Remove it."),
         "eigenvalue": _Unsupported(_disabled_section, "Remove it."),
         "progressive_layer_drop": _Unsupported(_disabled_section, "Remove it."),
-        "compile": _Unsupported(_disabled_section, "Call torch.compile on your model yourself."),
         "weight_quantization": _Unsupported(_empty, "Remove it."),
         "tensor_parallel": _Unsupported(
             lambda v: _empty(v) or (isinstance(v, dict) and v.get("autotp_size", 1) in (0, 1)),

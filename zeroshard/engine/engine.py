@@ -24,20 +24,26 @@ from zeroshard.checkpoint.preempt import Preemption
 from zeroshard.comm import faults
 from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
+from zeroshard.engine.compile import CompileMixin
 from zeroshard.engine.hf_compat import HFCompat
 from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.engine.watch import call, forward_call, start_watching
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
+from zeroshard.memory.guard import MemoryGuard
 from zeroshard.monitor.attach import build_monitoring
+from zeroshard.monitor.master import MonitorMaster
 from zeroshard.optim.muon.qk_clip.attach import attach_qk_clip
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
+from zeroshard.precision.plan import FP8_WIRE_DTYPE, GROUP_FP8
+from zeroshard.sharding.fp8_gather import attach_fp8_gathers
 from zeroshard.sharding.layout import ParallelLayout, establish
 from zeroshard.sharding.offload import OffloadPlan, place_layout
 from zeroshard.sharding.registry import ParamRegistry
 from zeroshard.sharding.streams import streams_for
 from zeroshard.step.optimizer_step import OptimizerStep
+from zeroshard.zero.param_attributes import mark_stage3
 
 if TYPE_CHECKING:
     from zeroshard.config.schema import ZeroshardConfig
@@ -47,7 +53,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zeroshard")
 
 
-class Engine(HFCompat, EngineAPI):
+class Engine(CompileMixin, HFCompat, EngineAPI):
     """A model wrapped for ZeRO data-parallel training (DeepSpeed's engine surface)."""
 
     def __init__(
@@ -75,6 +81,9 @@ class Engine(HFCompat, EngineAPI):
         # Sequence ranks share samples: gradients average over data-parallel replicas only.
         self.data_parallel_size = self.layout.data_parallel_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # DeepSpeed's monitors first: one that cannot start refuses the config on every rank
+        # before the model is touched (zeroshard/monitor/master.py).
+        self.monitor = MonitorMaster(config, self.global_rank, self.layout.world)
         self.device = select_device(model)
         # Not moved yet: cast first, then each unit's flat buffer is built on the device one at
         # a time (at stage 3 only its shard stays there), then the rest follows (see below).
@@ -89,13 +98,23 @@ class Engine(HFCompat, EngineAPI):
         self.autoep_settings = transforms.autoep_settings
         self._load_balancer = transforms.load_balancer
         self.expert_group_names = transforms.expert_group_names
+        self.fp8_modules = setup.apply_fp8_compute(model, plan, self.device)
         self._cast_module(model)
+        # The memory budget (zeroshard/memory/guard.py): refused here, before any flat is built,
+        # if the states alone cannot fit; again at the first forward with the real inputs.
+        self.memory_guard = MemoryGuard(config, self.layout.world, self.device, traced=not self.expert_group_names)
+        self.memory_guard.check_states(model)
         streams = streams_for(self.device)  # CUDA: gathers and reductions on their own streams
         self.units = setup.build_units(
             model, config, plan, self.policy, self.layout, self.device,
             transforms.group_of, self._param_group_name, streams,
         )
         self.flats = [f for unit in self.units for f in unit.flats]
+        # Stage 3: DeepSpeed's ds_id, ds_persist, ... on each parameter (zeroshard/zero/param_attributes.py).
+        mark_stage3(model, self.flats, stage3=not self.policy.keep_full_params)
+        self.memory_guard.attach_unit_names(self.units)
+        # Stage 3: the fp8 Linears' weights are gathered in fp8 (sharding/fp8_gather.py).
+        self._fp8_scales = attach_fp8_gathers(self.flats, GROUP_FP8, FP8_WIRE_DTYPE) if plan.fp8 else []
         # The trainable parameters are views of the flats, already on the device; this moves
         # the buffers and frozen parameters. So the device never holds the whole fp32 model:
         # at most the cast model (stages 0-2) or one unit's full flat beside the shards (stage 3).
@@ -125,8 +144,8 @@ class Engine(HFCompat, EngineAPI):
         )
         # ---- monitoring (zeroshard/monitor/): timers, FLOPs, collectives, MoE figures; DeepSpeed's
         # engine.monitor (csv, tensorboard, wandb) and engine.metrics(), which joins both.
-        self.figures, self.monitor, self.training_figures = build_monitoring(
-            self.module, config, self.device, self.global_rank, self.optimizer, fp16=plan.mode == "fp16"
+        self.figures, self.training_figures = build_monitoring(
+            self.module, config, self.device, self.global_rank, self.optimizer, self.monitor, fp16=plan.mode == "fp16"
         )
         self.timers = self.figures.timers
         attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)
@@ -145,7 +164,8 @@ class Engine(HFCompat, EngineAPI):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module under the precision policy (autocast, input casts)."""
-        with call(self, forward_call(self)), self.timers.span("fwd"):
+        with call(self, forward_call(self)), self.timers.span("fwd"), self.memory_guard.phase("forward"):
+            self.memory_guard.check_first_forward(self.module, args, kwargs)
             self.figures.before_forward(self.global_steps)
             output = self._forward(*args, **kwargs)
             self.figures.after_forward()
@@ -177,7 +197,7 @@ class Engine(HFCompat, EngineAPI):
         reduction); `scale_wrt_gas=False` leaves this one's undivided, as DeepSpeed's argument
         does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
         """
-        with call(self, "backward"), self.timers.span("bwd"):
+        with call(self, "backward"), self.timers.span("bwd"), self.memory_guard.phase("backward"):
             return self._backward(loss, retain_graph, scale_wrt_gas, **kwargs)
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool, **kwargs: Any) -> torch.Tensor:
@@ -221,7 +241,7 @@ class Engine(HFCompat, EngineAPI):
         """
         steps_before = self.global_steps
         with call(self, "step"):
-            with self.timers.span("step"):
+            with self.timers.span("step"), self.memory_guard.phase("optimizer step"):
                 self._step_once()
             if self.global_steps != steps_before:
                 self.figures.after_step(self)
@@ -305,7 +325,7 @@ class Engine(HFCompat, EngineAPI):
         `async_save` (None: `checkpoint.writer.decoupled`) the files are written in the background."""
         from zeroshard import checkpoint
 
-        with call(self, "save"):
+        with call(self, "save"), self.memory_guard.phase("save"):
             return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save=async_save)
 
     def wait_for_checkpoint(self) -> None:
@@ -328,7 +348,7 @@ class Engine(HFCompat, EngineAPI):
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...): not supported by zeroshard. Load without it.")
 
-        with call(self, "load"):
+        with call(self, "load"), self.memory_guard.phase("load"):
             return checkpoint.load_checkpoint(
                 self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

@@ -23,6 +23,9 @@ class Unit:
         self.inputs_done = 0
         # Gradients accumulated locally since the unit was last reduced.
         self.has_local_grad = False
+        # Stage 3: the unit's own module is running its forward (the schedule's hooks on its
+        # submodules read it; a flag, not a set of ids, so that compiled blocks share a graph).
+        self.forward_running = False
 
     @property
     def numel(self) -> int:
@@ -69,12 +72,14 @@ class Unit:
     def gathered(self) -> bool:
         return all(f.state is ShardState.UNSHARDED for f in self.flats)
 
-    def gather(self, tag: str = "param", exact: bool = False) -> None:
+    def gather(self, tag: str = "param", exact: bool = False, readable: bool = False) -> None:
         """Materialise every flat's full parameters (`exact`: in the parameter dtype, not the
-        plan's gather dtype; for readers such as exports, not for compute)."""
+        plan's gather dtype; for readers such as exports, not for compute). `readable`: the
+        parameters hold values afterwards (a flat gathered in fp8 for compute holds
+        placeholders, zeroshard/sharding/fp8_gather.py's note, so it is gathered exactly)."""
         with faults.in_unit(self.name):
             for flat in self.flats:
-                flat.gather_full(tag, exact)
+                flat.gather_full(tag, exact or (readable and flat.fp8 is not None))
 
     def start_gather(self) -> None:
         with faults.in_unit(self.name):

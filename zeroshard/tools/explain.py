@@ -21,6 +21,7 @@ from zeroshard.config.preemption import signal_number
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
 from zeroshard.resolve import resolve_config
+from zeroshard.tools.explain_memory import memory_keys, model_spec_for, print_memory_plan, states_only_keys
 from zeroshard.tools.memory import MemoryEstimate, bytes_per_param, estimate_for_config, optimizer_state_count
 
 __all__ = [
@@ -51,18 +52,20 @@ class UsageError(Exception):
 
 
 def preset_names() -> list[str]:
+    """Every model preset (zeroshard/models/presets.py's table)."""
     try:
-        from zeroshard.models import PRESETS
+        from zeroshard.models import preset_names as names
     except ImportError:
         return []
-    return list(PRESETS)
+    return names()
 
 
 def build_model_on_meta(spec: str) -> Any:
     """Build ``spec`` on the meta device: shapes without memory.
 
     Args:
-        spec: a demo preset name (``tiny``, ``small``, ``gpt2-124m``, ...) or ``module:factory``,
+        spec: a model preset (``tiny``, ``1b``, ``8b``, ``70b``, ``moonlight-16b-a3b``, ...: zeroshard.models)
+            or ``module:factory``,
             where ``factory()`` (a function or class, called without arguments) returns an
             ``nn.Module``.
 
@@ -83,16 +86,16 @@ def build_model_on_meta(spec: str) -> Any:
         build: Callable[[], Any] = factory
     else:
         try:
-            from zeroshard.models import GPT, PRESETS
+            from zeroshard.models import build_model
         except ImportError as exc:
-            raise UsageError(f"--model {spec}: the demo model presets are unavailable ({exc}).") from None
-        if spec not in PRESETS:
+            raise UsageError(f"--model {spec}: the model presets are unavailable ({exc}).") from None
+        if spec not in preset_names():
             raise UsageError(
-                f"--model {spec}: unknown preset; use one of {', '.join(PRESETS)}, or module:factory."
+                f"--model {spec}: unknown preset; use one of {', '.join(preset_names())}, or module:factory."
             )
 
         def build() -> Any:
-            return GPT(PRESETS[spec])
+            return build_model(spec)
 
     with torch.device("meta"):
         model = build()
@@ -136,8 +139,19 @@ def explain_data(
     world_size: int,
     model_spec: str | None = None,
     num_params: int | None = None,
+    *,
+    hf_config: str | None = None,
+    seq: int | None = None,
+    micro_batch: int | None = None,
+    activation_checkpointing: bool = False,
+    device: str = "cuda",
 ) -> dict[str, Any]:
     """Everything `zeroshard explain` shows, as a JSON-ready dict.
+
+    With a model (`model_spec`, or `hf_config`: a Hugging Face config.json) the memory plan
+    (`memory.device_peak_bytes` and the rest, tools/explain_memory.py) comes from tracing one
+    training step at `micro_batch` (default: the config's) and `seq` (default: the model's
+    longest), for `device` ("cuda": an accelerator, "cpu").
 
     Raises:
         ConfigError: for a bad config; UsageError: for a bad model spec.
@@ -170,8 +184,12 @@ def explain_data(
         "hangs": _hangs(config),
     }
     estimate: MemoryEstimate | None = None
-    if model_spec is not None:
-        model = build_model_on_meta(model_spec)
+    plan_keys: dict[str, Any] | None = None
+    if hf_config is not None:
+        model_spec = None
+    if model_spec is not None or hf_config is not None:
+        model = build_model_on_meta(model_spec) if hf_config is None else _hf_model_on_meta(hf_config)
+        model_spec = model_spec or f"hf-config {hf_config}"
         if config.expert_parallel.enabled:
             from zeroshard.moe.autoep.swap import replace_moe_layers
 
@@ -179,6 +197,16 @@ def explain_data(
             data["autoep"] = {"autoep_size": config.expert_parallel.autoep_size, "layers": names,
                               "settings": settings.explain_lines()}
         data["model"] = {"spec": model_spec, **_model_report(model, plan)}
+        if config.sequence_parallel_size > 1:
+            data["parallel"]["attention"] = _attention_split(model, config.sequence_parallel_size)
+        if plan.fp8 is not None:
+            from zeroshard.precision.fp8 import fp8_linear_plan
+
+            data["model"]["fp8"] = [
+                {"module": c.name, "in_features": c.in_features, "out_features": c.out_features, "fp8": c.fp8,
+                 "why": c.reason}
+                for c in fp8_linear_plan(model, plan.fp8)
+            ]
         counts = {g: info["num_params"] for g, info in data["model"]["groups"].items()}
         units = _unit_numels(model, config)
         if units is not None:
@@ -190,6 +218,16 @@ def explain_data(
             for group, numel in by_group.items():
                 counts[group] -= numel
         estimate = estimate_for_config(config, plan, counts, unit_numels=units, expert_counts=expert_counts)
+        if expert_counts or config.expert_parallel.enabled:
+            plan_keys = states_only_keys(estimate, config, device, "MoE experts: the peak is the states and buffer "
+                                         "bounds; expert models are not traced yet")
+        else:
+            try:
+                spec = model_spec_for(None if hf_config else model_spec, hf_config)
+                plan_keys = memory_keys(config, world_size, spec, seq=seq, micro_batch=micro_batch,
+                                        activation_checkpointing=activation_checkpointing, device=device)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         if config.optimizer is not None and config.optimizer.type.lower() == "muon":
             from zeroshard.optim.muon.optimizer import muon_param_plan
             from zeroshard.optim.muon.plan_report import muon_group_report
@@ -205,6 +243,8 @@ def explain_data(
             }
     elif num_params is not None:
         estimate = estimate_for_config(config, plan, num_params)
+        plan_keys = states_only_keys(estimate, config, device, "no model: activations are not included "
+                                     "(give --model or --hf-config for the traced peak)")
     states = optimizer_state_count(
         config.optimizer.type if config.optimizer else None, config.optimizer.params if config.optimizer else None
     )
@@ -217,8 +257,23 @@ def explain_data(
     data["memory"] = {
         "bytes_per_param": per_param,
         "estimate": estimate.as_dict() if estimate else None,
+        **(plan_keys or {}),
     }
     return data
+
+
+def _hf_model_on_meta(path: str) -> Any:
+    """A Hugging Face causal LM from its config, on the meta device (for the model report)."""
+    import torch
+
+    from zeroshard.memory import hf_config_spec
+
+    try:
+        spec = hf_config_spec(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    with torch.device("meta"):
+        return spec.build()
 
 
 def _print_muon_groups(console: Any, groups: list[dict[str, Any]]) -> None:
@@ -348,6 +403,24 @@ def _parallel_layout(sequence_parallel_size: int, world_size: int) -> dict[str, 
     }
 
 
+def _attention_split(model: Any, sp: int) -> dict[str, Any] | None:
+    """How Ulysses splits the model's attention heads over the `sp` ranks of a sequence group
+    (zeroshard/sequence/layer.py head_split, DeepSpeed's uneven split) and the share of the
+    whole-sequence attention activations the busiest rank holds; None when the model's config
+    names no head count."""
+    from zeroshard.sequence.layer import head_split
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
+    if not isinstance(heads, int) or heads < sp:
+        return None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    q_counts, kv_counts, _ = head_split(heads, kv_heads, sp)
+    return {"heads": heads, "kv_heads": kv_heads, "query_heads_per_rank": q_counts, "kv_heads_per_rank": kv_counts,
+            "busiest_fraction": max(q_counts) / heads}
+
+
 def _human(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(nbytes) < 1024 or unit == "TiB":
@@ -415,6 +488,14 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
             console.print(f"  {group}: {info['num_params']:,} ({shown or 'none'})")
         if "units" in model:
             console.print(f"  units: {model['units']['count']}, largest {model['units']['largest_numel']:,} elements")
+        if "fp8" in model:
+            fp8_table = Table(title="FP8: which Linear layers compute in fp8 (zeroshard.fp8)")
+            for column in ("module", "in x out", "compute", "why"):
+                fp8_table.add_column(column)
+            for row in model["fp8"]:
+                fp8_table.add_row(row["module"], f"{row['in_features']} x {row['out_features']}",
+                                  "fp8" if row["fp8"] else "bf16", row["why"])
+            console.print(fp8_table)
         if "muon" in model:
             muon_table = Table(title="Muon: which optimizer each parameter gets")
             muon_table.add_column("parameter")
@@ -450,10 +531,21 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
             f"{parallel['sequence_groups']} (consecutive: two all-to-alls per attention layer), data groups "
             f"{parallel['data_groups']}; dense parameters sharded over all {parallel['dense_sharded_over']} ranks"
         )
-        console.print(
-            f"  activations per rank: 1/{sp} of a sequence's (each rank holds 1/{sp} of every sequence; attention "
-            f"holds the whole sequence for 1/{sp} of the heads), so a {sp}x longer sequence fits the same memory"
-        )
+        attention = parallel.get("attention")
+        if attention is None or max(attention["query_heads_per_rank"]) * sp == attention["heads"]:
+            console.print(
+                f"  activations per rank: 1/{sp} of a sequence's (each rank holds 1/{sp} of every sequence; attention "
+                f"holds the whole sequence for 1/{sp} of the heads), so a {sp}x longer sequence fits the same memory"
+            )
+        else:
+            counts = attention["query_heads_per_rank"]
+            console.print(
+                f"  activations per rank: 1/{sp} of a sequence's outside attention; attention holds the whole sequence "
+                f"for {', '.join(map(str, counts))} of the {attention['heads']} heads on the sequence ranks in turn "
+                f"({sp} does not divide them: split by key/value group, {attention['kv_heads']} groups), so the "
+                f"busiest rank holds {max(counts)}/{attention['heads']} = {attention['busiest_fraction']:.3f} of a "
+                "sequence's attention inputs"
+            )
 
     memory = data["memory"]
     estimate = memory["estimate"]
@@ -482,6 +574,8 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
         console.print(mem)
         for assumption in estimate["assumptions"]:
             console.print(f"assumed: {assumption}")
+    if memory.get("device_peak_bytes") is not None:
+        print_memory_plan(console, data)
 
     console.print("\ndefaults applied: " + (", ".join(data["defaults_applied"]) or "none"))
     console.print("accepted, no effect: " + (", ".join(data["no_effect_keys"]) or "none"))
@@ -491,8 +585,9 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     console.print(_hang_line(data["hangs"]), highlight=False, soft_wrap=True)
 
 
-def explain_text(config: Any, world_size: int = 1, model: str | None = None, params: int | None = None) -> str:
+def explain_text(config: Any, world_size: int = 1, model: str | None = None, params: int | None = None,
+                 **kwargs: Any) -> str:
     """`print_tables(explain_data(...))` as a string (no terminal colour codes)."""
     out = io.StringIO()
-    print_tables(explain_data(config, world_size, model, params), file=out)
+    print_tables(explain_data(config, world_size, model, params, **kwargs), file=out)
     return out.getvalue()

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from zeroshard.comm import collectives as comm
 from zeroshard.comm.collectives import Group
+from zeroshard.comm.eager_regions import runs_eagerly
 from zeroshard.moe.autoep.carry import apply_marks, carried_marks
 from zeroshard.moe.autoep.dispatch import combine, dispatch
 from zeroshard.moe.autoep.expert_paths import CombineImpl, ExpertPath, choose_path, run_experts, weighted_combine
@@ -360,6 +361,7 @@ class AutoEPMoELayer(nn.Module):
     def global_expert_index(self, local_index: int) -> int:
         return self.ep_rank * self.num_local_experts + local_index
 
+    @runs_eagerly("the AutoEP layer: routing and the dropless token exchange (comm/eager_regions.py's note)")
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:  # the same draw as the Hugging Face block's
@@ -372,7 +374,9 @@ class AutoEPMoELayer(nn.Module):
                 "set_deepspeed_parallelism() (zeroshard.initialize does) before the forward."
             )
         _, weights, selected = self.router(tokens)
-        if self.count_tokens and self.training:  # evaluation forwards do not steer the balance
+        # Only training forwards (train mode, grad enabled) steer the balance: an evaluation, in
+        # eval() or under torch.no_grad(), must not move the next step's bias (docs/moe.md).
+        if self.count_tokens and self.training and torch.is_grad_enabled():
             counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts).float()
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
         group = self.expert_group if self.ep_size > 1 else None
