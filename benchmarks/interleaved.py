@@ -185,8 +185,14 @@ def _measure(rank: int, args: argparse.Namespace, device: torch.device) -> dict 
             # median: steadier than a ratio of medians when the machine's load moves a lot.
             paired = statistics.median(t / b for t, b in zip(times[name], times[names[0]], strict=True))
             paired_cpu = statistics.median(t / b for t, b in zip(cpu[name], cpu[names[0]], strict=True))
+            # sN against sN-bare when both ran: the hang watchdog's cost, paired the same way.
+            bare = f"{name}-bare" if f"{name}-bare" in times else None
             rows.append({"engine": name, "step_ms": median, "ratio": median / base,
                          "paired_ratio": paired, "paired_cpu_ratio": paired_cpu,
+                         "paired_vs_bare": None if bare is None else statistics.median(
+                             t / b for t, b in zip(times[name], times[bare], strict=True)),
+                         "paired_cpu_vs_bare": None if bare is None else statistics.median(
+                             t / b for t, b in zip(cpu[name], cpu[bare], strict=True)),
                          "cpu_ms": statistics.median(cpu[name]),
                          "cpu_ratio": statistics.median(cpu[name]) / cpu_base,
                          "forward_ms": fwd, "backward_ms": bwd, "step_phase_ms": opt,
@@ -243,6 +249,10 @@ def main() -> None:
               + (f" {r['step_peak_over_resting_mib']:>13.1f}" if gpu else ""))
     paired = (f"{r['engine']} {r['paired_ratio']:.3f} (cpu {r['paired_cpu_ratio']:.3f})" for r in result["rows"])
     print(f"paired with {result['rows'][0]['engine']} step by step (median of per-step ratios): " + ", ".join(paired))
+    against_bare = [f"{r['engine']} {r['paired_vs_bare']:.3f} (cpu {r['paired_cpu_vs_bare']:.3f})"
+                    for r in result["rows"] if r.get("paired_vs_bare") is not None]
+    if against_bare:
+        print("paired with its -bare run (the hang watchdog's record and channels): " + ", ".join(against_bare))
     print(f"wrote {args.json}", file=sys.stderr)
 
 
