@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -52,6 +53,21 @@ def muon_row(device: torch.device, outdir: Path) -> dict:
     if result.returncode != 0:
         return "FAIL", {"rc": result.returncode, "cmd": " ".join(cmd[1:])}, tail
     return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": result.stdout.strip().splitlines()[-9:]}, ""
+
+
+def hang_row(device: torch.device) -> dict:
+    """benchmarks/gpu_check/hang.py in a process of its own (it aborts its NCCL group): the hang
+    watchdog at world 1 plus a simulated peer, the diagnosis raised on the main thread and, on
+    CUDA, the communicators aborted only after it was stored."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check.hang", "--device", device.type]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        return "FAIL", {"rc": result.returncode}, (result.stdout + result.stderr)[-1500:]
+    numbers = json.loads(lines[-1])
+    diagnosis = numbers.pop("diagnosis")
+    return "ok", numbers, diagnosis
 
 
 def simulated_rows(row, device: torch.device) -> None:
@@ -149,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage in conformance.STAGES if on_gpu else (3,):
         row(f"g/fp8 loss s{stage}", lambda s=stage: fp8.fp8_loss(s, device), 120)
     row("g/fp8 speed 8b-shaped", lambda: fp8.fp8_speed(device), 240)
+    row(f"k/hang watchdog {'nccl' if on_gpu else 'gloo'} + simulated peer", lambda: hang_row(device), 120)
 
     size = model_bench.BenchSize.for_device(device, args.quick)
     box: dict = {}

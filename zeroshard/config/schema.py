@@ -108,6 +108,12 @@ class ZeroshardExtras(_Section):
             fp16 always checks (its loss scale needs it).
         collective_timeout_s: seconds a collective may wait for its peers before every
             waiting rank raises CollectiveError naming it (the process groups' timeout).
+        hang_timeout_s: seconds a rank may wait in a collective for peers that never reach it
+            before the watchdog diagnoses a hang on every rank (zeroshard/comm/watchdog.py);
+            None = 300, or half of collective_timeout_s when that is below 600; 0 = no watchdog.
+            Must be below collective_timeout_s (checked in the resolve pass).
+        hang_first_step_timeout_s: the same for a process's first optimizer step (warm-up);
+            None = halfway between hang_timeout_s and collective_timeout_s.
         peak_tflops: this device's peak TFLOP/s, the flops_profiler's MFU denominator
             (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
             of the profile (zeroshard/monitor/flops.py).
@@ -122,6 +128,8 @@ class ZeroshardExtras(_Section):
     shard_group_size: JsonInt | None = Field(None, ge=1)
     skip_nonfinite_steps: bool = True
     collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
+    hang_timeout_s: float | None = Field(None, ge=0)
+    hang_first_step_timeout_s: float | None = Field(None, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
     fp8: Fp8Config = Field(default_factory=Fp8Config)
     memory_budget_gb: float | None = Field(None, gt=0)

@@ -27,6 +27,7 @@ from zeroshard.engine.api import EngineAPI
 from zeroshard.engine.compile import CompileMixin
 from zeroshard.engine.hf_compat import HFCompat
 from zeroshard.engine.parameter_offload import attach_parameter_offload
+from zeroshard.engine.watch import call, forward_call, start_watching
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.memory.guard import MemoryGuard
@@ -150,6 +151,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)
         # Signal handlers, the stop vote in the step's all-reduce, resume (checkpoint/preempt.py).
         self.preemption = Preemption(self)
+        # The hang watchdog and the channels that keep diverging ranks off one transport (engine/watch.py).
+        start_watching(self)
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
@@ -161,7 +164,7 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module under the precision policy (autocast, input casts)."""
-        with self.timers.span("fwd"), self.memory_guard.phase("forward"):
+        with call(self, forward_call(self)), self.timers.span("fwd"), self.memory_guard.phase("forward"):
             self.memory_guard.check_first_forward(self.module, args, kwargs)
             self.figures.before_forward(self.global_steps)
             output = self._forward(*args, **kwargs)
@@ -194,7 +197,7 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         reduction); `scale_wrt_gas=False` leaves this one's undivided, as DeepSpeed's argument
         does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
         """
-        with self.timers.span("bwd"), self.memory_guard.phase("backward"):
+        with call(self, "backward"), self.timers.span("bwd"), self.memory_guard.phase("backward"):
             return self._backward(loss, retain_graph, scale_wrt_gas, **kwargs)
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool, **kwargs: Any) -> torch.Tensor:
@@ -237,15 +240,16 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         still runs the backward epilogue in `engine.backward`), so they agree on it.
         """
         steps_before = self.global_steps
-        with self.timers.span("step"), self.memory_guard.phase("optimizer step"):
-            self._step_once()
-        if self.global_steps != steps_before:
-            self.figures.after_step(self)
-            if self.monitor.enabled and self.global_steps % self.config.steps_per_print == 0:
-                # The interval's timers, FLOPs, collectives and MoE figures go to the monitors
-                # with DeepSpeed's names (Train/Samples/elapsed_time_ms_*, ...).
-                self.monitor.write_events(self.figures.monitor_events(self.global_samples))
-            self.preemption.after_step()  # the ranks agreed to stop: save together and exit
+        with call(self, "step"):
+            with self.timers.span("step"), self.memory_guard.phase("optimizer step"):
+                self._step_once()
+            if self.global_steps != steps_before:
+                self.figures.after_step(self)
+                if self.monitor.enabled and self.global_steps % self.config.steps_per_print == 0:
+                    # The interval's timers, FLOPs, collectives and MoE figures go to the monitors
+                    # with DeepSpeed's names (Train/Samples/elapsed_time_ms_*, ...).
+                    self.monitor.write_events(self.figures.monitor_events(self.global_samples))
+                self.preemption.after_step()  # the ranks agreed to stop: save together and exit
 
     def _step_once(self) -> None:
         state = self.accumulation
@@ -321,14 +325,15 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         `async_save` (None: `checkpoint.writer.decoupled`) the files are written in the background."""
         from zeroshard import checkpoint
 
-        with self.memory_guard.phase("save"):
+        with call(self, "save"), self.memory_guard.phase("save"):
             return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save=async_save)
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an asynchronous save to be written and published; collective."""
         from zeroshard import checkpoint
 
-        checkpoint.wait_for_checkpoint("engine.wait_for_checkpoint()")
+        with call(self, "save"):
+            checkpoint.wait_for_checkpoint("engine.wait_for_checkpoint()")
 
     def load_checkpoint(
         self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -343,7 +348,7 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...): not supported by zeroshard. Load without it.")
 
-        with self.memory_guard.phase("load"):
+        with call(self, "load"), self.memory_guard.phase("load"):
             return checkpoint.load_checkpoint(
                 self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
@@ -358,7 +363,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         load_dir = load_dir if load_dir is not None else self.config.preemption.save_dir
         if load_dir is None:
             raise ValueError("resume_latest(): pass the directory, or set preemption.save_dir in the config.")
-        return resume_latest(self, load_dir, **load_options)
+        with call(self, "load"):
+            return resume_latest(self, load_dir, **load_options)
 
     def should_stop(self) -> bool:
         """Whether a rank was asked to stop (a scheduler's signal); collective: call it on every
@@ -371,7 +377,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         """The consolidated module weights in the parameter dtype, for inference (rank 0 writes)."""
         from zeroshard import checkpoint
 
-        return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        with call(self, "save"):
+            return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     # -------------------------------------------------------------- accessors
     def metrics(self) -> dict[str, Any]:

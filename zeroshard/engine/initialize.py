@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroshard.comm import collectives
+from zeroshard.comm import collectives, progress
 from zeroshard.comm.deepspeed_api import init_distributed
 from zeroshard.launch.distributed import release_default_group_arguments
 
@@ -78,10 +78,11 @@ def initialize(
     # layer or parallel_state_sp: cut for this config, then handed to everything below.
     layout = establish(cfg.zeroshard.shard_group_size, cfg.zeroshard.collective_timeout_s)
     layout.set_sequence_parallel(*(_sequence_parallel_groups(mpu, cfg.sequence_parallel_size) or (None, None)))
-    engine = Engine(
-        model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
-    )
+    with progress.phase("init", 0, 0):  # its collectives in the progress record (zeroshard/comm/progress.py)
+        engine = Engine(
+            model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
+        )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

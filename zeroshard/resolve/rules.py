@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 
+from zeroshard.comm.watchdog import resolve_timeouts
 from zeroshard.config.accumulation import unmanaged_accumulation_problems
 from zeroshard.config.base import _is_auto, _show
 from zeroshard.config.error import raises_deepspeed_error
@@ -70,6 +71,10 @@ def resolve_config(
     if not tainted & {"zero_optimization", "managed_gradient_accumulation"}:
         problems.extend(unmanaged_accumulation_problems(cfg))
     problems.extend(p for section, p in group_size_problems(cfg, world_size) if section not in tainted)
+    if "zeroshard" not in tainted:
+        extras = cfg.zeroshard
+        problems.extend(resolve_timeouts(
+            extras.hang_timeout_s, extras.hang_first_step_timeout_s, extras.collective_timeout_s)[1])
     optimizer = cfg.optimizer
     if optimizer is not None and "optimizer" not in tainted:
         if optimizer.type.lower() == "muon":

@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from zeroshard.comm.watchdog import resolve_timeouts
 from zeroshard.config.monitor import monitor_destinations
 from zeroshard.config.preemption import signal_number
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
@@ -180,6 +181,7 @@ def explain_data(
         "moe": None,
         "autoep": _autoep_given(config) if config.expert_parallel.enabled else None,
         "checkpointing": _checkpointing(config),
+        "hangs": _hangs(config),
     }
     estimate: MemoryEstimate | None = None
     plan_keys: dict[str, Any] | None = None
@@ -331,6 +333,28 @@ def _checkpointing(config: ZeroshardConfig) -> dict[str, Any]:
             "exit_code": preemption.exit_code, "resume": preemption.resume,
         },
     }
+
+
+def _hangs(config: ZeroshardConfig) -> dict[str, Any]:
+    """When a stuck or divergent job is named, and when a collective fails (docs/reliability.md,
+    "No silent hangs")."""
+    extras = config.zeroshard
+    timeouts = resolve_timeouts(extras.hang_timeout_s, extras.hang_first_step_timeout_s, extras.collective_timeout_s)[0]
+    return {
+        "watchdog": timeouts.enabled, "hang_timeout_s": timeouts.hang_timeout_s,
+        "hang_first_step_timeout_s": timeouts.first_step_timeout_s, "collective_timeout_s": extras.collective_timeout_s,
+        "tick_s": timeouts.tick_s,
+    }
+
+
+def _hang_line(hangs: dict[str, Any]) -> str:
+    limit = f"collectives time out after {hangs['collective_timeout_s']:g} s (zeroshard.collective_timeout_s)"
+    if not hangs["watchdog"]:
+        return f"hangs: watchdog off (zeroshard.hang_timeout_s 0); {limit}"
+    tick = hangs["tick_s"]
+    return (f"hangs: the watchdog names a stuck or divergent job on every rank after {hangs['hang_timeout_s']:g} s "
+            f"waiting ({hangs['hang_first_step_timeout_s']:g} s in a process's first step; ranks deadlocked on "
+            f"each other within a few {tick:g} s ticks); {limit}")
 
 
 def _checkpointing_lines(checkpointing: dict[str, Any]) -> list[str]:
@@ -558,6 +582,7 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     console.print("monitors: " + ("; ".join(data.get("monitors", [])) or "none"))
     for line in _checkpointing_lines(data["checkpointing"]):
         console.print(line, highlight=False, soft_wrap=True)
+    console.print(_hang_line(data["hangs"]), highlight=False, soft_wrap=True)
 
 
 def explain_text(config: Any, world_size: int = 1, model: str | None = None, params: int | None = None,
