@@ -30,6 +30,7 @@ from zeroshard.optim import schedulers
 from zeroshard.optim.build import state_dtype_problem
 from zeroshard.optim.muon.optimizer import muon_param_problems
 from zeroshard.precision.plan import resolve_precision_plan
+from zeroshard.resolve.tensor_parallel import tensor_parallel_problems
 from zeroshard.sharding.stages import stage_policy
 
 __all__ = ["resolve_config"]
@@ -70,6 +71,8 @@ def resolve_config(
     if not tainted & {"zero_optimization", "managed_gradient_accumulation"}:
         problems.extend(unmanaged_accumulation_problems(cfg))
     problems.extend(p for section, p in group_size_problems(cfg, world_size) if section not in tainted)
+    if "tensor_parallel" not in tainted:
+        problems.extend(tensor_parallel_problems(cfg, world_size, plan.mode if plan is not None else None))
     optimizer = cfg.optimizer
     if optimizer is not None and "optimizer" not in tainted:
         if optimizer.type.lower() == "muon":
