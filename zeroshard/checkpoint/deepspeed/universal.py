@@ -16,6 +16,7 @@ import torch
 
 from zeroshard.checkpoint.base import CheckpointError
 from zeroshard.checkpoint.deepspeed.portable import ADAM_STATE_KEYS, PortableState
+from zeroshard.checkpoint.deepspeed.read_autotp import join_frozen, whole_shapes_of
 from zeroshard.checkpoint.deepspeed.read_ds import (
     MODEL_FILE,
     _common,
@@ -59,6 +60,10 @@ def read_universal(tag_dir: str | Path, allow_pickle: bool = False) -> PortableS
     model_path = _model_file(tag_dir)
     model = load_pt(model_path, allow_pickle)
     state = _common(model, model_path, allow_pickle)
+    # AutoTP: ds_to_universal wrote whole tensors, the model states describe tensor rank 0's pieces.
+    whole_shapes = whole_shapes_of(model)
+    if whole_shapes is not None and state.frozen:
+        state.frozen = join_frozen(tag_dir, model, allow_pickle)
     optimizer_path = tag_dir / ZERO_DIR / OPTIMIZER_FILE
     optim = load_pt(optimizer_path, allow_pickle)
     state.stage = int(optim.get("zero_stage", 2))
@@ -69,6 +74,8 @@ def read_universal(tag_dir: str | Path, allow_pickle: bool = False) -> PortableS
         step = None
         for name in names:
             shape = tuple(group_shapes[name])
+            if whole_shapes is not None:
+                shape = whole_shapes.get(name, shape)
             master = _param_file(tag_dir, name, "fp32", allow_pickle)
             if tuple(master.shape) != shape:
                 raise CheckpointError(f"{tag_dir / ZERO_DIR / name / 'fp32.pt'}: shape {list(master.shape)}, the model "
