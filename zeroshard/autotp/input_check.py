@@ -37,7 +37,7 @@ def inputs_digest(args: tuple, kwargs: dict) -> str:
         if isinstance(leaf, torch.Tensor):
             value = leaf.detach().to("cpu").contiguous()
             digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+            digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
         else:
             digest.update(repr(leaf).encode())
     return digest.hexdigest()
