@@ -108,6 +108,11 @@ def transform_model(
         # group is built from the model's parameters (zeroshard/autotp/transform.py).
         from zeroshard.autotp.transform import apply_autotp, repoint_parameters
 
+        if any(is_moe_param(p) for p in model.parameters()):
+            raise ValueError(
+                f"tensor_parallel.autotp_size={config.tensor_parallel.autotp_size}: the model has DeepSpeed MoE "
+                "layers; experts with tensor parallelism are not supported by zeroshard. Use one of them."
+            )
         if muon.is_muon_requested(optimizer, config.optimizer):
             raise ValueError(
                 f"tensor_parallel.autotp_size={config.tensor_parallel.autotp_size} with a Muon optimizer: Muon "

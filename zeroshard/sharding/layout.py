@@ -103,6 +103,20 @@ class ShardingSpec:
     def replication(self) -> int:
         return self.replicate.size
 
+    def source_for(self, rank: int) -> int:
+        """The member of `peers` that holds what global rank `rank` holds here: `rank` itself, or,
+        when `rank` holds another tensor-parallel piece (peers strided over the tensor groups),
+        the peer at `rank`'s data-parallel position (GatheredParameters' modifier_rank)."""
+        ranks = self.peers.ranks
+        if rank in ranks:
+            return rank
+        stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+        position = rank // stride
+        strided = all(b - a == stride for a, b in zip(ranks[:-1], ranks[1:], strict=True))
+        if len(ranks) > 1 and strided and position < len(ranks):
+            return ranks[position]
+        raise ValueError(f"rank {rank} has no counterpart among ranks {list(ranks)}.")
+
     @property
     def copies(self) -> int:
         """How many ranks hold each element of a shard (replicas x duplicates): the global norm

@@ -21,6 +21,7 @@ Tolerances, stated once:
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -30,7 +31,9 @@ BF16_FIRST_LOSS = 2e-3
 BF16_FIRST_NORM = 0.02
 BF16_LATER = 1e-2
 TIMEOUT_S = 600
-CASES = [("llama", "fp32", stage) for stage in range(4)] + [("qwen3", "bf16", stage) for stage in range(4)]
+CASES = [("llama", "fp32", stage, False) for stage in range(4)]
+CASES += [("qwen3", "bf16", stage, False) for stage in range(4)]
+CASES.append(("llama", "fp32", 2, True))  # optimizer offload: masters and AdamW state on the host
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def _close(got: list[float], want: list[float], tol: float) -> bool:
 @pytest.mark.parametrize("stage", range(4))
 def test_llama_fp32_equals_the_unsplit_model(world4, stage):
     for rank, out in enumerate(world4):
-        case = out["cases"][("llama", "fp32", stage)]
+        case = out["cases"][("llama", "fp32", stage, False)]
         ref = case["reference"]
         assert _close(case["losses"], ref["losses"], FP32_TOL), (rank, case["losses"], ref["losses"])
         assert _close(case["norms"], ref["norms"], FP32_TOL), (rank, case["norms"], ref["norms"])
@@ -66,11 +69,30 @@ def test_llama_fp32_equals_the_unsplit_model(world4, stage):
 @pytest.mark.parametrize("stage", range(4))
 def test_qwen3_bf16_within_bf16_rounding_of_the_unsplit_model(world4, stage):
     for rank, out in enumerate(world4):
-        case = out["cases"][("qwen3", "bf16", stage)]
+        case = out["cases"][("qwen3", "bf16", stage, False)]
         losses, norms, ref = case["losses"], case["norms"], case["reference"]
         assert abs(losses[0] - ref["losses"][0]) <= BF16_FIRST_LOSS, (rank, losses, ref["losses"])
         assert abs(norms[0] - ref["norms"][0]) <= BF16_FIRST_NORM * ref["norms"][0], (rank, norms, ref["norms"])
         assert _close(losses[1:], ref["losses"][1:], BF16_LATER), (rank, losses, ref["losses"])
+
+
+def test_optimizer_offload(world4):
+    for rank, out in enumerate(world4):
+        case = out["cases"][("llama", "fp32", 2, True)]
+        ref = case["reference"]
+        assert _close(case["losses"], ref["losses"], FP32_TOL) and _close(case["norms"], ref["norms"], FP32_TOL)
+        assert case["weight_error"] <= FP32_TOL, (rank, case["weight_error"])
+
+
+def test_to_fp32_assembles_the_pieces(world4, workdir):
+    """`zeroshard to-fp32` (no process group) reads the tp 2 x dp 2 checkpoint as whole tensors."""
+    from zeroshard.checkpoint import consolidate_fp32
+
+    want = world4[0]["cases"][("llama", "fp32", 2, False)]["checkpoint_reference"]
+    state = consolidate_fp32(os.path.join(workdir, "ckpt"), tag="tp")
+    assert sorted(state) == sorted(want)
+    for name, value in want.items():
+        assert state[name].shape == value.shape and float((state[name] - value).abs().max()) <= FP32_TOL, name
 
 
 def test_tensor_collectives_per_step(world4):
@@ -82,7 +104,7 @@ def test_tensor_collectives_per_step(world4):
     for rank, out in enumerate(world4):
         group = (0, 1) if rank < 2 else (2, 3)
         for kind, precision, extra in (("llama", "fp32", 0), ("qwen3", "bf16", 2 * blocks)):
-            log = out["cases"][(kind, precision, 0)]["collectives"]
+            log = out["cases"][(kind, precision, 0, False)]["collectives"]
             tensor = [(tag, op, forward) for tag, op, ranks, forward in log if tag.startswith("tp.")]
             assert all(ranks == group for tag, _, ranks, _ in log if tag.startswith("tp.")), log
             assert Counter(tensor) == Counter({
@@ -96,14 +118,14 @@ def test_tensor_collectives_per_step(world4):
 def test_resume_at_tensor_1_data_4(world4):
     for rank, out in enumerate(world4):
         got = out["resume_tp1_dp4"]
-        ref = out["cases"][("llama", "fp32", 2)]["reference"]
+        ref = out["cases"][("llama", "fp32", 2, False)]["reference"]
         assert (got["tp"], got["dp"], got["step"]) == (1, 4, 3)
         assert got["loaded_error"] <= FP32_TOL and got["after_error"] <= FP32_TOL, (rank, got)
         assert abs(got["loss"] - ref["losses"][2]) <= FP32_TOL and abs(got["norm"] - ref["norms"][2]) <= FP32_TOL
 
 
 def test_resume_at_tensor_2_data_1(world4, world2):
-    ref = world4[0]["cases"][("llama", "fp32", 2)]["reference"]
+    ref = world4[0]["cases"][("llama", "fp32", 2, False)]["reference"]
     for rank, got in enumerate(world2):
         assert (got["tp"], got["dp"], got["step"]) == (2, 1, 3)
         assert got["loaded_error"] <= FP32_TOL and got["after_error"] <= FP32_TOL, (rank, got)
@@ -111,14 +133,14 @@ def test_resume_at_tensor_2_data_1(world4, world2):
 
 
 def test_16bit_export_is_the_whole_model_and_from_pretrained_loads_it(world4):
-    case = world4[0]["cases"][("llama", "fp32", 3)]
+    case = world4[0]["cases"][("llama", "fp32", 3, False)]
     exported, loaded, want = case["export"]["state"], case["export"]["loaded"], case["export_reference"]
     assert sorted(exported) == sorted(want) == sorted(loaded)
     for name, value in exported.items():
         assert value.shape == want[name].shape, name  # whole, not a piece
         assert float((value - want[name]).abs().max()) <= FP32_TOL, name
         assert float((loaded[name] - value).abs().max()) == 0.0, name
-    assert all(out["cases"][("llama", "fp32", 3)]["export"] is None for out in world4[1:])
+    assert all(out["cases"][("llama", "fp32", 3, False)]["export"] is None for out in world4[1:])
 
 
 def test_different_inputs_on_a_tensor_group_are_refused_on_every_rank(world4):

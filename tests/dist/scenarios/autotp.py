@@ -34,11 +34,13 @@ def global_batch(step: int, micro: int, dp: int) -> torch.Tensor:
     return torch.cat([batch(step, micro, r) for r in range(dp)])
 
 
-def config(stage: int, precision: str, tp: int, gas: int, micro: int = MICRO, **extra: Any) -> dict[str, Any]:
+def config(stage: int, precision: str, tp: int, gas: int, micro: int = MICRO, offload: bool = False,
+           **extra: Any) -> dict[str, Any]:
     cfg = {
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                              **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
         "gradient_clipping": CLIP, "steps_per_print": 10**6,
         "tensor_parallel": {"autotp_size": tp},
         **extra,
@@ -127,7 +129,8 @@ def _weight_error(engine: Any, want: dict[str, torch.Tensor]) -> float:
 
 
 def train(kind: str, precision: str, stage: int, steps: int, gas: int, tp: int = 2, record: bool = False,
-          save_dir: str | None = None, save_after: int | None = None) -> tuple[Any, dict[str, Any]]:
+          save_dir: str | None = None, save_after: int | None = None,
+          offload: bool = False) -> tuple[Any, dict[str, Any]]:
     """A zeroshard engine over the world: per-step global losses and norms, timings, and (with
     `record`) the collectives of the first micro-step by tag."""
     import zeroshard
@@ -136,7 +139,7 @@ def train(kind: str, precision: str, stage: int, steps: int, gas: int, tp: int =
     model = build(kind)
     start = time.perf_counter()
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config(stage, precision, tp, gas))
+                                      config=config(stage, precision, tp, gas, offload=offload))
     dp_rank = engine.data_parallel_rank
     out: dict[str, Any] = {"losses": [], "norms": [], "init_s": time.perf_counter() - start}
     for step in range(steps):
@@ -221,25 +224,28 @@ def export(engine: Any, kind: str, out_dir: str) -> dict[str, Any] | None:
 # -------------------------------------------------------------------------------------- tasks
 
 
-def scenario(workdir: str, cases: list[tuple[str, str, int]], steps: int = 2, gas: int = 2) -> dict[str, Any]:
-    """World 4 (tp 2 x dp 2): every (kind, precision, stage) of `cases` against its reference; the
-    collectives of one step; a checkpoint of the llama fp32 stage-2 run resumed at tp 1 x dp 4
-    (stage 3); the 16-bit export; the input check."""
+def scenario(workdir: str, cases: list[tuple[str, str, int, bool]], steps: int = 2, gas: int = 2) -> dict[str, Any]:
+    """World 4 (tp 2 x dp 2): every (kind, precision, stage, optimizer offload) of `cases` against its
+    reference; the collectives of one step; a checkpoint of the llama fp32 stage-2 run resumed at
+    tp 1 x dp 4 (stage 3); the 16-bit export; the input check."""
     cpu = time.process_time()
-    refs = _references(sorted({(k, p) for k, p, _ in cases}), steps + 1, dp=2, gas=gas)
+    refs = _references(sorted({(k, p) for k, p, _, _ in cases}), steps + 1, dp=2, gas=gas)
     out: dict[str, Any] = {"cases": {}}
-    for kind, precision, stage in cases:
-        resume_case = (kind, precision, stage) == ("llama", "fp32", 2)
+    for kind, precision, stage, offload in cases:
+        resume_case = (kind, precision, stage, offload) == ("llama", "fp32", 2, False)
         record = stage == 0
         engine, got = train(kind, precision, stage, steps + 1 if resume_case else steps, gas, record=record,
-                            save_dir=os.path.join(workdir, "ckpt") if resume_case else None, save_after=steps)
+                            save_dir=os.path.join(workdir, "ckpt") if resume_case else None, save_after=steps,
+                            offload=offload)
         ref = refs[(kind, precision)]
         got["weight_error"] = _weight_error(engine, ref["weights"][len(got["losses"]) - 1])
         got["reference"] = {"losses": ref["losses"][: len(got["losses"])], "norms": ref["norms"][: len(got["norms"])]}
-        if (kind, precision, stage) == ("llama", "fp32", 3):
+        if (kind, precision, stage, offload) == ("llama", "fp32", 3, False):
             got["export"] = export(engine, kind, os.path.join(workdir, "export"))
             got["export_reference"] = ref["weights"][len(got["losses"]) - 1] if dist.get_rank() == 0 else None
-        out["cases"][(kind, precision, stage)] = got
+        if resume_case and dist.get_rank() == 0:  # what the checkpoint holds: for `zeroshard to-fp32`
+            got["checkpoint_reference"] = ref["weights"][steps - 1]
+        out["cases"][(kind, precision, stage, offload)] = got
     out["resume_tp1_dp4"] = resume("llama", os.path.join(workdir, "ckpt"), 3, 1, steps, refs[("llama", "fp32")], gas)
     out["input_check"] = input_check()
     out["cpu_s"] = time.process_time() - cpu  # this rank's CPU time: the suite's cost on idle cores

@@ -38,3 +38,16 @@ def test_uneven_splits_are_refused_and_json_round_trips():
         TensorSplit(0, 4, 0, (6, 2), (4, 2))
     split = TensorSplit(1, 2, 1, (4, 6), None)
     assert TensorSplit.from_json(split.to_json(), [4, 6], 1) == split
+
+
+def test_a_modifier_ranks_counterpart_in_a_tensor_data_group():
+    """GatheredParameters(modifier_rank=r) on a flat of pieces: the peers are the ranks holding the
+    same pieces (world 4, tensor 2: {1, 3}); r=0 holds the other piece, its counterpart is 1."""
+    from zeroshard.comm.collectives import Group
+    from zeroshard.sharding.layout import ShardingSpec
+
+    peers = Group((1, 3), 0)
+    spec = ShardingSpec(peers, Group((1,), 0), peers)
+    assert [spec.source_for(r) for r in range(4)] == [1, 1, 3, 3]
+    world = Group((0, 1, 2, 3), 1)
+    assert ShardingSpec(world, Group((1,), 0), world).source_for(2) == 2
