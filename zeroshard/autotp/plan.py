@@ -18,6 +18,7 @@ group. Everything that cannot be placed is refused in one error that names each 
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +151,12 @@ def _model_type(model: Any) -> str | None:
 
 
 def _rule_text(spec: TPLayerSpec) -> str:
-    return spec.patterns[0] if len(spec.patterns) == 1 else str(spec.patterns)
+    """The rule as a reader wrote it: a tp_plan key back in its glob form, else the regex."""
+    text = spec.patterns[0] if len(spec.patterns) == 1 else str(spec.patterns)
+    glob = re.fullmatch(r"\.\*(.+)\\\.weight\$", text)
+    if glob and "(" not in text and "[" not in text:
+        return glob.group(1).replace(r"\.", ".").replace(".*", "*")
+    return text
 
 
 def plan_tensor_parallel(model: nn.Module, settings: Any, tp_size: int) -> TensorParallelPlan:

@@ -250,11 +250,12 @@ def _print_tensor_parallel(console: Any, tensor: dict[str, Any]) -> None:
         console.print("  (give --model to see each layer's split)")
         return
     table = Table(title="Tensor-parallel split per Linear layer")
-    for column in ("layer", "split", "whole shape", "piece per rank", "rule"):
-        table.add_column(column)
+    table.add_column("layer", overflow="fold")  # the rule each followed: --json
+    for column in ("split", "whole shape", "piece per rank"):
+        table.add_column(column, no_wrap=True)
     for layer in tensor["layers"]:
-        split = layer["split"] + (" + gather output" if layer["gather_output"] else "")
-        table.add_row(layer["name"], split, str(layer["shape"]), str(layer["piece"]), layer["rule"])
+        split = layer["split"] + (", output gathered" if layer["gather_output"] else "")
+        table.add_row(layer["name"], split, str(layer["shape"]), str(layer["piece"]))
     console.print(table)
     if tensor["grad_sum"]:
         console.print(f"  kept whole, gradient summed over the tensor group: {', '.join(tensor['grad_sum'])}",

@@ -48,7 +48,7 @@ def world4(dist_pool, workdir):
 
 @pytest.fixture(scope="module")
 def world2(dist_pool, workdir, world4):  # world4 wrote the checkpoint
-    return dist_pool(2).run("tests.dist.scenarios.autotp:resume_tp2_dp1", workdir, timeout=TIMEOUT_S)
+    return dist_pool(2).run("tests.dist.scenarios.autotp:world2", workdir, timeout=TIMEOUT_S)
 
 
 def _close(got: list[float], want: list[float], tol: float) -> bool:
@@ -126,10 +126,21 @@ def test_resume_at_tensor_1_data_4(world4):
 
 def test_resume_at_tensor_2_data_1(world4, world2):
     ref = world4[0]["cases"][("llama", "fp32", 2, False)]["reference"]
-    for rank, got in enumerate(world2):
+    for rank, out in enumerate(world2):
+        got = out["resume"]
         assert (got["tp"], got["dp"], got["step"]) == (2, 1, 3)
         assert got["loaded_error"] <= FP32_TOL and got["after_error"] <= FP32_TOL, (rank, got)
         assert abs(got["loss"] - ref["losses"][2]) <= FP32_TOL and abs(got["norm"] - ref["norms"][2]) <= FP32_TOL
+
+
+def test_deepspeed_autotp_checkpoint_resumes_at_its_layout(world2):
+    """DeepSpeed 0.19.8's tp2 x dp1 stage-1 fp32 save: each rank's pieces equal what DeepSpeed read
+    on that tensor rank (exactly after the load; after its 2 more steps within FP32_TOL: the two
+    engines' reductions and clipping order their float32 sums differently)."""
+    for rank, out in enumerate(world2):
+        got = out["deepspeed"]
+        assert got["loaded_error"] == 0.0, (rank, got)
+        assert got["after_error"] <= FP32_TOL, (rank, got)
 
 
 def test_16bit_export_is_the_whole_model_and_from_pretrained_loads_it(world4):
@@ -147,3 +158,18 @@ def test_different_inputs_on_a_tensor_group_are_refused_on_every_rank(world4):
     for out in world4:
         assert out["input_check"].startswith("tensor parallelism: the first batch differs across the tensor-parallel")
         assert "engine.data_parallel_group" in out["input_check"]
+
+
+def test_the_documented_example_trains(dist_pool):
+    """docs/tensor-parallel.md's example on 4 ranks: tensor 2 x data 2, the loss falls, and both
+    ranks of a tensor group report the same loss (they compute the same samples)."""
+    import re
+
+    runs = dist_pool(4).run("tests.dist.scenarios.autotp:run_example", "examples/train_tensor_parallel.py",
+                            "examples/configs/zero2_autotp.json", timeout=TIMEOUT_S)
+    losses = {}
+    for rank, printed in enumerate(runs):
+        assert f"rank {rank}: tensor parallel 2 x data parallel 2" in printed, printed
+        losses[rank] = [float(v) for v in re.findall(r"step \d+ loss ([0-9.]+)", printed)]
+        assert len(losses[rank]) == 3 and losses[rank][-1] < losses[rank][0], printed
+    assert losses[0] == losses[1] and losses[2] == losses[3]

@@ -256,3 +256,70 @@ def resume_tp2_dp1(workdir: str, steps: int = 2, gas: int = 2) -> dict[str, Any]
     """World 2 (tp 2 x dp 1): the world-4 run's checkpoint resumed at stage 1."""
     ref = _references([("llama", "fp32")], steps + 1, dp=2, gas=gas)[("llama", "fp32")]
     return resume("llama", os.path.join(workdir, "ckpt"), 1, 2, steps, ref, gas)
+
+
+def run_example(example: str, config: str, steps: int = 3) -> str:
+    """An example (a path from the repository root) as torchrun would run it with
+    `--deepspeed_config config` (the pool sets torchrun's environment); what it printed."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    argv = sys.argv
+    sys.argv = [str(root / example), "--deepspeed_config", str(root / config), "--steps", str(steps)]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        sys.argv = argv
+    return printed.getvalue()
+
+
+def resume_deepspeed_autotp() -> dict[str, Any]:
+    """World 2 (tp 2 x dp 1): DeepSpeed 0.19.8's own AutoTP checkpoint (tests/fixtures/deepspeed/
+    tp2_s1_fp32_w2) loaded by a zeroshard AutoTP engine at the same layout: this rank's pieces
+    right after the load and after DeepSpeed's M_STEPS, against what DeepSpeed read on the same
+    tensor rank (the whole tensors the conversion writes are cut into pieces again on load)."""
+    import importlib.util
+    from pathlib import Path
+
+    import zeroshard
+    from zeroshard.zero.full_tensors import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    fixtures = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed"
+    spec = importlib.util.spec_from_file_location("ds_autotp_side", fixtures / "autotp_side.py")
+    side = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(side)
+    case = "tp2_s1_fp32_w2"
+    model = build("llama", seed=3)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=side.ds_config(case))
+    engine.load_checkpoint(str(fixtures / case / "ckpt"))
+    want = torch.load(fixtures / case / "expected_ds.pt", weights_only=True)
+    tp_rank = engine.layout.tensor.rank
+
+    def error(snapshot: dict) -> float:
+        worst = 0.0
+        for name, p in engine.module.named_parameters():
+            worst = max(worst, float((safe_get_full_fp32_param(p) - snapshot["fp32"][name]).abs().max()))
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = safe_get_full_optimizer_state(p, key)
+                worst = max(worst, float((got - snapshot[key][name]).abs().max()))
+        return worst
+
+    loaded = error(want["at_save"][tp_rank])
+    for step in range(side.K_STEPS, side.K_STEPS + side.M_STEPS):
+        ids = side.batch(step, 0)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    return {"loaded_error": loaded, "after_error": error(want["after"][tp_rank])}
+
+
+def world2(workdir: str) -> dict[str, Any]:
+    """Everything the world-2 pool runs: the world-4 checkpoint resumed at tp 2 x dp 1, and
+    DeepSpeed's own AutoTP checkpoint resumed at its layout."""
+    return {"resume": resume_tp2_dp1(workdir), "deepspeed": resume_deepspeed_autotp()}

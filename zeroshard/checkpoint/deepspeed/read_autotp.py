@@ -30,9 +30,8 @@ import torch
 
 from zeroshard.checkpoint.base import CheckpointError
 from zeroshard.checkpoint.deepspeed.portable import PortableState
-from zeroshard.checkpoint.deepspeed.read_ds import read_model_states, read_tensor_rank
 
-__all__ = ["read_autotp", "whole_shapes_of", "join_frozen"]
+__all__ = ["Joiner", "join_tensor_ranks", "whole_shapes_of"]
 
 
 def _lookup(table: dict[str, Any], name: str) -> Any:
@@ -47,7 +46,7 @@ def _matches(patterns: list[str], name: str) -> bool:
     return any(re.match(pattern, name) for pattern in patterns)
 
 
-class _Joiner:
+class Joiner:
     """Joins one tensor's pieces, one per tensor-parallel rank, by `universal_checkpoint_info`."""
 
     def __init__(self, info: dict[str, Any], where: Path, parts: int) -> None:
@@ -110,35 +109,25 @@ def whole_shapes_of(model: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
     return out
 
 
-def join_frozen(tag_dir: Path, model: dict[str, Any], allow_pickle: bool) -> dict[str, torch.Tensor]:
-    """The frozen parameters of an AutoTP save, whole: each tensor rank's model states hold its
-    pieces (the universal checkpoint's `zero/` folder has trained parameters only)."""
-    parts = int(model["mp_world_size"])
-    modules = [read_model_states(tag_dir, t, allow_pickle) for t in range(parts)]
-    joiner = _Joiner(model["universal_checkpoint_info"], modules[0][0], parts)
-    frozen = model.get("frozen_param_shapes") or {}
-    return {name: joiner.join(name, [m["module"][name] for _, m in modules]) for name in frozen}
-
-
-def read_autotp(tag_dir: Path, parts: int, allow_pickle: bool = False) -> PortableState:
-    """The whole state of an AutoTP checkpoint saved by `parts` tensor-parallel ranks.
+def join_tensor_ranks(states: list[PortableState], model: dict[str, Any], where: Path) -> PortableState:
+    """One state of whole tensors from every tensor rank's state (read_ds.read_tensor_rank), by the
+    `universal_checkpoint_info` of tensor rank 0's model states `model` (read from `where`).
 
     Raises:
-        CheckpointError: a tensor rank's files missing or from another save, a parameter DeepSpeed
-            marks as not convertible, or pieces the description does not cover.
+        CheckpointError: no description, ranks that disagree, a parameter DeepSpeed marks as not
+            convertible, or pieces the description does not cover.
     """
-    where, model = read_model_states(tag_dir, 0, allow_pickle)
+    parts = len(states)
     info = model.get("universal_checkpoint_info")
     if not isinstance(info, dict):
         raise CheckpointError(f"{where}: mp_world_size={parts} but no universal_checkpoint_info: not an AutoTP "
                               "checkpoint of DeepSpeed 0.19 (Megatron-style tensor parallelism is not read).")
-    states = [read_tensor_rank(tag_dir, t, allow_pickle) for t in range(parts)]
     first = states[0]
     for t, state in enumerate(states[1:], start=1):
         if state.groups != first.groups or state.stage != first.stage or state.world_size != first.world_size:
-            raise CheckpointError(f"{tag_dir}: tensor rank {t}'s files describe other parameters, stage or data-"
-                                  "parallel size than tensor rank 0's; the files belong to different saves.")
-    joiner = _Joiner(info, where, parts)
+            raise CheckpointError(f"{where.parent}: tensor rank {t}'s files describe other parameters, stage or "
+                                  "data-parallel size than tensor rank 0's; the files belong to different saves.")
+    joiner = Joiner(info, where, parts)
     first.masters = {name: joiner.join(name, [s.masters[name] for s in states]) for name in first.names}
     first.optimizer_state = {
         name: {key: joiner.join(name, [s.optimizer_state[name][key] for s in states])

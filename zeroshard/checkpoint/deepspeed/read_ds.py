@@ -39,6 +39,7 @@ from zeroshard.checkpoint.deepspeed.portable import (
     STATE_KEYS,
     PortableState,
 )
+from zeroshard.checkpoint.deepspeed.read_autotp import join_tensor_ranks
 from zeroshard.checkpoint.deepspeed.unpickle import StandIn, load_pt
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -356,10 +357,10 @@ def read_deepspeed(tag_dir: str | Path, allow_pickle: bool = False) -> PortableS
     """
     tag_dir = Path(tag_dir)
     model_path, model = read_model_states(tag_dir, 0, allow_pickle)
-    if int(model.get("mp_world_size", 1) or 1) != 1:
-        from zeroshard.checkpoint.deepspeed.read_autotp import read_autotp
-
-        return read_autotp(tag_dir, int(model["mp_world_size"]), allow_pickle)
+    parts = int(model.get("mp_world_size", 1) or 1)
+    if parts != 1:  # AutoTP: each tensor rank's pieces, joined
+        states = [read_tensor_rank(tag_dir, t, allow_pickle) for t in range(parts)]
+        return join_tensor_ranks(states, model, model_path)
     return read_tensor_rank(tag_dir, 0, allow_pickle)
 
 
