@@ -52,6 +52,26 @@ def muon_row(device: torch.device, outdir: Path) -> dict:
     return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": result.stdout.strip().splitlines()[-9:]}, ""
 
 
+def autotp_row(device: torch.device, outdir: Path) -> dict:
+    """benchmarks/autotp_conformance.py: tensor parallelism against the unsplit model (fp32 within
+    1e-5), the exchanges per micro-step and the parameters per rank. Its processes talk over gloo
+    on the CPU whatever the device: a tensor group needs one device per rank, and this check has
+    one (a GPU measurement needs 2+ GPUs or a simulated group): on a GPU machine, not measured on
+    a GPU. On the CPU one case (world 2), so the CPU run of this check stays short."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "autotp_conformance.py"), "--world", "2", "--tp", "2",
+           "--steps", "2", "--no-baseline", "--json", str(outdir / "autotp_conformance.json")]
+    if device.type == "cpu":
+        cmd += ["--models", "llama", "--precisions", "fp32", "--stages", "3", "--gas", "2"]
+    else:
+        cmd += ["--quick"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=170, env=env)
+    tail = (result.stdout + result.stderr)[-1500:]
+    if result.returncode != 0:
+        return "FAIL", {"rc": result.returncode, "cmd": " ".join(cmd[1:])}, tail
+    return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": result.stdout.strip().splitlines()[-4:]}, ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__)
     parser.add_argument("outdir", type=Path)
@@ -98,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     row("e/autoep mixtral vs cpu", lambda: numerics.autoep_layer(device), 90)
     row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 200 if not args.quick else 130)
     row("f/muon_step", lambda: muon_row(device, args.outdir), 160)
+    row("g/autotp tp2 conformance (gloo)", lambda: autotp_row(device, args.outdir), 180)
 
     size = model_bench.BenchSize.for_device(device, args.quick)
     box: dict = {}

@@ -95,6 +95,21 @@ def test_to_fp32_assembles_the_pieces(world4, workdir):
         assert state[name].shape == value.shape and float((state[name] - value).abs().max()) <= FP32_TOL, name
 
 
+def test_to_deepspeed_writes_whole_tensors(world4, workdir, tmp_path):
+    """`zeroshard to-deepspeed` of the tp 2 x dp 2 checkpoint: a DeepSpeed (data-parallel, stage 2,
+    world 2) checkpoint whose tensors, read back, are the whole ones `to-fp32` gives."""
+    from zeroshard.checkpoint import consolidate_fp32
+    from zeroshard.checkpoint.deepspeed.convert import to_deepspeed
+    from zeroshard.checkpoint.deepspeed.read_ds import read_deepspeed
+
+    out = to_deepspeed(os.path.join(workdir, "ckpt"), tmp_path, tag="tp", stage=2, world_size=2)
+    back = read_deepspeed(out)
+    whole = consolidate_fp32(os.path.join(workdir, "ckpt"), tag="tp")
+    assert sorted(back.masters) == sorted(whole)
+    for name, value in whole.items():
+        assert float((back.masters[name] - value).abs().max()) == 0.0, name
+
+
 def test_tensor_collectives_per_step(world4):
     """Per transformer block, two all-reduces forward (o_proj, down_proj) and two backward (the
     attention and MLP inputs, one each: docs/tensor-parallel.md); the untied head gathers its
