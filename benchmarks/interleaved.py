@@ -110,12 +110,23 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         sys.path.insert(0, path)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     os.environ["LOCAL_RANK"] = str(rank)  # one machine: zeroshard picks cuda:rank from it
-    from peers_device import init_group, synchronize
+    from peers_device import init_group
+    from process_group import close_group
 
     device = init_group(args.device, rank, args.world_size, f"tcp://127.0.0.1:{port}")
-    on_cuda = device.type == "cuda"
+    # The engines and DDP live only inside _measure: gone before the group is destroyed.
+    result = _measure(rank, args, device)
+    if rank == 0:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    close_group()
+
+
+def _measure(rank: int, args: argparse.Namespace, device: torch.device) -> dict | None:
+    """Build every engine, take turns step by step; rank 0 returns the table (others None)."""
+    from peers_device import synchronize
     from peers_workload import BatchPlan, Workload
 
+    on_cuda = device.type == "cuda"
     workload = Workload(args.model, args.world_size, args.global_batch, args.steps, args.warmup)
     plan = BatchPlan(workload)
     names = args.engines.split(",")
@@ -169,8 +180,8 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
                 "config_extra": extra,
                 "zeroshard": str(Path(zeroshard.__file__).parent.parent), "torch": torch.__version__,
                 "load_average": os.getloadavg()}
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    dist.destroy_process_group()
+        return {"meta": meta, "rows": rows}
+    return None
 
 
 def main() -> None:

@@ -97,7 +97,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None
         del engine, model
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    from benchmarks.process_group import close_group
+
+    close_group()  # after every engine is gone (benchmarks/process_group.py)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # zeroshard from the checkout
 
 import zeroshard  # noqa: E402
+from benchmarks.process_group import close_group  # noqa: E402
 from benchmarks.process_group import init_group_of_one as init_group  # noqa: E402
 from zeroshard.optim.muon import newton_schulz as ns  # noqa: E402
 
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"device": str(device), "torch": torch.__version__, "micro": args.micro,
                                          "seq": args.seq, "matmul_gflops": bounds, "rows": rows}, indent=1))
-    dist.destroy_process_group()
+    close_group()  # every row's engine is gone first (benchmarks/process_group.py)
     return 0
 
 

@@ -22,6 +22,7 @@ from peers_device import init_group, local_device, memory_stats, synchronize
 from peers_engines import make_runner
 from peers_measure import current_rss_bytes, live_tensor_bytes, peak_rss_bytes, wire_bytes_per_rank
 from peers_workload import BatchPlan, Workload
+from process_group import close_group
 
 # Steps profiled after warm-up when --profile-out is given.
 _PROFILED_STEPS = 5
@@ -128,9 +129,13 @@ def run(args: Any) -> dict[str, Any] | None:
     else:
         per_rank = [mine]
     extra = runner.extra()
+    num_params = runner_num_params(runner)
     if distributed:
         dist.barrier()
-        dist.destroy_process_group()
+        # The runner (DDP, FSDP, DeepSpeed or zeroshard) and what refers to it go before the group
+        # (benchmarks/process_group.py: a DDP freed after the group can deadlock the exit).
+        del runner, count_held, log
+        close_group()
     if rank != 0:
         return None
 
@@ -156,7 +161,7 @@ def run(args: Any) -> dict[str, Any] | None:
             "steps": workload.steps,
             "warmup": workload.warmup,
             "seed": workload.seed,
-            "num_params": runner_num_params(runner),
+            "num_params": num_params,
         },
         "omp_num_threads": torch.get_num_threads(),
         "median_step_s": median,

@@ -11,8 +11,13 @@ from zeroshard.comm.deepspeed_api import init_distributed  # DeepSpeed's: deepsp
 from zeroshard.config.error import DeepSpeedConfigError
 from zeroshard.engine.initialize import initialize
 from zeroshard.launch.arguments import add_config_arguments
+from zeroshard.tools.deepspeed_shadow import warn_if_shadowed
 
 __version__ = "0.1.0"
+
+# The `deepspeed` alias, when installed, must be what `import deepspeed` finds: a warning names
+# a checkout that would be imported instead (zeroshard/tools/deepspeed_shadow.py).
+warn_if_shadowed()
 
 __all__ = [
     "initialize",

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.gpu_check.report import Report, Skip
+from benchmarks.process_group import close_group
 from benchmarks.process_group import init_group_of_one as init_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     row("f/muon_step", lambda: muon_row(device, args.outdir), 160)
     row("g/autotp tp2 conformance (gloo)", lambda: autotp_row(device, args.outdir), 180)
 
+    from benchmarks.gpu_check import fp8
+
+    for stage in conformance.STAGES if on_gpu else (3,):
+        row(f"g/fp8 loss s{stage}", lambda s=stage: fp8.fp8_loss(s, device), 120)
+    row("g/fp8 speed 8b-shaped", lambda: fp8.fp8_speed(device), 240)
+
     size = model_bench.BenchSize.for_device(device, args.quick)
     box: dict = {}
 
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     table = report.table()
     (args.outdir / "gpu_check.txt").write_text(table + "\n")
     print(table, flush=True)
-    dist.destroy_process_group()
+    close_group()  # every row's engines and FSDP2 models are gone first (benchmarks/process_group.py)
     return 0 if all(r.status != "FAIL" for r in report.rows) else 1
 
 

@@ -28,11 +28,13 @@ copied again into shared memory or pickled); and an error is an exception object
 waiting call raises. A kill -9 of the rank kills the writer with it, which leaves only the
 temporary directory, as a killed synchronous save does.
 
-The next `save_checkpoint`, `load_checkpoint`, `engine.destroy()` and
+The next `save_checkpoint`, `load_checkpoint`, `engine.resume_latest()`, `engine.destroy()` and
 `engine.wait_for_checkpoint()` wait for the writer and agree on its outcome across ranks
 (one small all-gather): if any rank's writer failed, every rank raises a CheckpointError
-naming the rank and the cause. At interpreter exit the (non-daemon) writer thread is joined
-and a failure is logged as an error.
+naming the rank and the cause. Readers that are not collectives (the fp32 consolidation,
+DeepSpeed's zero_to_fp32 functions, the DeepSpeed converters) wait for this process's writer
+without the agreement (`join_writer`), so they read the save just made, not the one before.
+At interpreter exit the (non-daemon) writer thread is joined and a failure is logged as an error.
 """
 
 from __future__ import annotations
@@ -237,6 +239,15 @@ def start(job: WriteJob, copy: _HostCopy) -> None:
 def pending() -> bool:
     """Whether this process has an asynchronous save not yet waited for."""
     return _PENDING is not None
+
+
+def join_writer() -> None:
+    """Wait until this process's writer thread (if any) has finished, without a collective: for
+    readers that run on one rank. The outcome is still agreed by the next `wait_for_checkpoint`.
+    Bounded: rank 0's writer gives up after `zeroshard.collective_timeout_s`."""
+    job = _PENDING
+    if job is not None and job.thread is not None:
+        job.thread.join()
 
 
 def wait_for_checkpoint(what: str = "wait_for_checkpoint()") -> None:

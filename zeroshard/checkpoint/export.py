@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from zeroshard.checkpoint.async_save import join_writer
 from zeroshard.checkpoint.deepspeed.convert import deepspeed_tag_dir
 from zeroshard.checkpoint.deepspeed.fp32 import deepspeed_fp32_state_dict
 from zeroshard.checkpoint.files import write_via_private_dir
@@ -41,6 +42,7 @@ def consolidate_fp32(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dic
     Raises:
         CheckpointError: no such checkpoint, or a missing or corrupt file (named).
     """
+    join_writer()  # this process's asynchronous save, if one is being written, is read complete
     tag_dir = resolve_checkpoint_dir(ckpt_dir, tag)
     with CheckpointReader(tag_dir) as reader:
         index = reader.index
@@ -73,6 +75,7 @@ def _write_state_dict(state: dict[str, torch.Tensor], path: Path, metadata: dict
 def write_fp32(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: str | None = None) -> Path:
     """`consolidate_fp32` written to `out_path` (safetensors, or torch.save for other suffixes);
     a DeepSpeed checkpoint directory is read as DeepSpeed's zero_to_fp32 reads it."""
+    join_writer()
     tag_dir = deepspeed_tag_dir(ckpt_dir, tag)
     if tag_dir is not None:
         state = deepspeed_fp32_state_dict(tag_dir)

@@ -27,7 +27,8 @@ def _is_number(value: Any) -> bool:
 
 
 def parse_counters(index: dict[str, Any], path: Path) -> dict[str, int]:
-    """`counters`: the three step counters, each a non-negative integer."""
+    """`counters`: the three step counters, each a non-negative integer (and, when recorded,
+    the accumulation they were counted with and the samples seen)."""
     counters = index.get("counters")
     if not isinstance(counters, dict):
         raise field_error(path, "counters", counters, "must be a table of step counters")
@@ -37,6 +38,11 @@ def parse_counters(index: dict[str, Any], path: Path) -> dict[str, int]:
         if not is_int(value) or value < 0:
             raise field_error(path, f"counters.{key}", value, "must be a non-negative integer")
         out[key] = value
+    accumulation = counters.get("gradient_accumulation_steps")  # absent before it was kept
+    if accumulation is not None:
+        if not is_int(accumulation) or accumulation < 1:
+            raise field_error(path, "counters.gradient_accumulation_steps", accumulation, "must be a positive integer")
+        out["gradient_accumulation_steps"] = accumulation
     samples = counters.get("global_samples")  # absent in checkpoints written before it was kept
     if samples is not None:
         if not is_int(samples) or samples < 0:

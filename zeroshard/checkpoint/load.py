@@ -415,6 +415,17 @@ def _write_into_engine(engine: Any, loaded: _Loaded) -> None:
             tensors[name].copy_(value.to(tensors[name].device))
 
 
+def resumed_micro_steps(counters: dict[str, int], accumulation: int) -> int:
+    """The micro-step position a load restores: the accumulation windows completed before the
+    save, in this run's accumulation, so a resumed run starts at a boundary whatever the world
+    size and `gradient_accumulation_steps` now (a window saved half-way is dropped: its gradients
+    were never saved). A checkpoint that does not record its accumulation counts its windows by
+    `global_steps` (one per boundary)."""
+    saved = counters.get("gradient_accumulation_steps")
+    windows = counters["micro_steps"] // saved if saved else counters["global_steps"]
+    return windows * accumulation
+
+
 def apply_to_engine(engine: Any, loaded: _Loaded, options: LoadOptions) -> None:
     """Phase 2: write what phase 1 read into the engine and republish the parameters."""
     if not options.module_only:
@@ -424,7 +435,7 @@ def apply_to_engine(engine: Any, loaded: _Loaded, options: LoadOptions) -> None:
         return
     if loaded.counters is not None:
         engine.global_steps = loaded.counters["global_steps"]
-        engine.micro_steps = loaded.counters["micro_steps"]
+        engine.micro_steps = resumed_micro_steps(loaded.counters, engine.config.gradient_accumulation_steps)
         engine.skipped_steps = loaded.counters["skipped_steps"]
         # DeepSpeed's fallback for a checkpoint without it: a train batch per step.
         engine.global_samples = loaded.counters.get(

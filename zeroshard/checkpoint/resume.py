@@ -102,8 +102,11 @@ def resume_latest(engine: Any, load_dir: str | os.PathLike, **load_options: Any)
         (checkpoint directory, client_state), or (None, None) when there is none (a first
         start), as `load_checkpoint` does without a `latest` file.
     """
+    from zeroshard.checkpoint.async_save import wait_for_checkpoint
     from zeroshard.checkpoint.load import load_checkpoint
 
+    # A pending asynchronous save may be the newest checkpoint: the scan must see it published.
+    wait_for_checkpoint(f"resume_latest({load_dir})")
     scan = find_complete(load_dir) if is_rank_zero() else None
     tags, skipped = all_gather_object(scan)[0]
     if is_rank_zero():

@@ -357,6 +357,8 @@ def rank0_state(
         "counters": {
             "global_steps": engine.global_steps,
             "micro_steps": engine.micro_steps,
+            # micro_steps' unit: a load at another accumulation restores the position in windows.
+            "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
             "skipped_steps": engine.skipped_steps,
             "global_samples": engine.global_samples,
         },

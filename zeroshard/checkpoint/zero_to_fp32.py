@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpoint.async_save import join_writer
 from zeroshard.checkpoint.deepspeed.convert import deepspeed_tag_dir
 from zeroshard.checkpoint.deepspeed.fp32 import deepspeed_fp32_state_dict
 from zeroshard.checkpoint.export import _write_state_dict, consolidate_fp32
@@ -33,7 +34,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
     lazy_mode: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The fp32 state dict of the checkpoint `tag` (default: the one `latest` names) under
-    `checkpoint_dir`; with `exclude_frozen_parameters`, without the parameters that did not train."""
+    `checkpoint_dir`; with `exclude_frozen_parameters`, without the parameters that did not train.
+    An asynchronous save this process started is waited for first (not a collective)."""
+    join_writer()
     ds_tag_dir = deepspeed_tag_dir(checkpoint_dir, tag)
     if ds_tag_dir is not None:  # a checkpoint DeepSpeed wrote (or ds_to_universal)
         return deepspeed_fp32_state_dict(ds_tag_dir, exclude_frozen_parameters)

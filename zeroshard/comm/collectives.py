@@ -50,6 +50,10 @@ __all__ = [
     "set_timeout",
 ]
 
+_FLOAT8 = frozenset(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
 _timeout_s: float | None = None  # what set_timeout last applied (named in errors)
 
 
@@ -386,6 +390,10 @@ def all_gather(
     assert output.numel() == input.numel() * ws, "all_gather sizes disagree"
     done = _record("all_gather", input, output.numel(), tag, group)
     what = _describe("all_gather", tag, group)
+    if input.dtype in _FLOAT8:
+        # An all-gather copies bytes: fp8 travels as its uint8 view (gloo has no fp8 type), and
+        # the recorder shows the fp8 dtype that is on the wire.
+        output, input = output.view(torch.uint8), input.view(torch.uint8)
     work = _call(what, _compat.all_gather_single, output.view(-1), input.view(-1), group=group.handle,
                  async_op=async_op)
     work = _then_done(work, done, async_op)

@@ -42,6 +42,7 @@ from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
+from zeroshard.config.fp8 import Fp8Config
 from zeroshard.config.integration_values import StepsPerPrint, dotted_top_level_key
 from zeroshard.config.monitor import COMET_REFUSAL, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from zeroshard.config.preemption import PreemptionConfig
@@ -110,6 +111,7 @@ class ZeroshardExtras(_Section):
         peak_tflops: this device's peak TFLOP/s, the flops_profiler's MFU denominator
             (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
             of the profile (zeroshard/monitor/flops.py).
+        fp8: fp8 compute for large Linear layers (zeroshard/config/fp8.py).
     """
 
     unit_module_classes: list[str] | None = None
@@ -118,6 +120,7 @@ class ZeroshardExtras(_Section):
     skip_nonfinite_steps: bool = True
     collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
+    fp8: Fp8Config = Field(default_factory=Fp8Config)
 
 
 class ZeroshardConfig(_Section):

@@ -29,14 +29,18 @@ from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.monitor.attach import build_monitoring
+from zeroshard.monitor.master import MonitorMaster
 from zeroshard.optim.muon.qk_clip.attach import attach_qk_clip
 from zeroshard.precision.autocast import forward_context
 from zeroshard.precision.loss_scale import make_loss_scaler
+from zeroshard.precision.plan import FP8_WIRE_DTYPE, GROUP_FP8
+from zeroshard.sharding.fp8_gather import attach_fp8_gathers
 from zeroshard.sharding.layout import ParallelLayout, establish
 from zeroshard.sharding.offload import OffloadPlan, place_layout
 from zeroshard.sharding.registry import ParamRegistry
 from zeroshard.sharding.streams import streams_for
 from zeroshard.step.optimizer_step import OptimizerStep
+from zeroshard.zero.param_attributes import mark_stage3
 
 if TYPE_CHECKING:
     from zeroshard.config.schema import ZeroshardConfig
@@ -74,6 +78,9 @@ class Engine(HFCompat, EngineAPI):
         # Sequence ranks share samples: gradients average over data-parallel replicas only.
         self.data_parallel_size = self.layout.data_parallel_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # DeepSpeed's monitors first: one that cannot start refuses the config on every rank
+        # before the model is touched (zeroshard/monitor/master.py).
+        self.monitor = MonitorMaster(config, self.global_rank, self.layout.world)
         self.device = select_device(model)
         # Not moved yet: cast first, then each unit's flat buffer is built on the device one at
         # a time (at stage 3 only its shard stays there), then the rest follows (see below).
@@ -94,6 +101,7 @@ class Engine(HFCompat, EngineAPI):
             from zeroshard.autotp.input_check import check_inputs_once
 
             check_inputs_once(model, self.layout.tensor)
+        self.fp8_modules = setup.apply_fp8_compute(model, plan, self.device)
         self._cast_module(model)
         streams = streams_for(self.device)  # CUDA: gathers and reductions on their own streams
         self.units = setup.build_units(
@@ -101,6 +109,10 @@ class Engine(HFCompat, EngineAPI):
             transforms.group_of, self._param_group_name, streams,
         )
         self.flats = [f for unit in self.units for f in unit.flats]
+        # Stage 3: DeepSpeed's ds_id, ds_persist, ... on each parameter (zeroshard/zero/param_attributes.py).
+        mark_stage3(model, self.flats, stage3=not self.policy.keep_full_params)
+        # Stage 3: the fp8 Linears' weights are gathered in fp8 (sharding/fp8_gather.py).
+        self._fp8_scales = attach_fp8_gathers(self.flats, GROUP_FP8, FP8_WIRE_DTYPE) if plan.fp8 else []
         # The trainable parameters are views of the flats, already on the device; this moves
         # the buffers and frozen parameters. So the device never holds the whole fp32 model:
         # at most the cast model (stages 0-2) or one unit's full flat beside the shards (stage 3).
@@ -130,8 +142,8 @@ class Engine(HFCompat, EngineAPI):
         )
         # ---- monitoring (zeroshard/monitor/): timers, FLOPs, collectives, MoE figures; DeepSpeed's
         # engine.monitor (csv, tensorboard, wandb) and engine.metrics(), which joins both.
-        self.figures, self.monitor, self.training_figures = build_monitoring(
-            self.module, config, self.device, self.global_rank, self.optimizer, fp16=plan.mode == "fp16"
+        self.figures, self.training_figures = build_monitoring(
+            self.module, config, self.device, self.global_rank, self.optimizer, self.monitor, fp16=plan.mode == "fp16"
         )
         self.timers = self.figures.timers
         attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)

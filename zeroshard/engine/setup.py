@@ -158,6 +158,29 @@ def transform_model(
     return ModelTransforms(hyper, group_of, expert_group_names, autoep_settings, load_balancer, autotp)
 
 
+def apply_fp8_compute(model: nn.Module, plan: PrecisionPlan, device: torch.device) -> list[str]:
+    """`zeroshard.fp8`: refuse a device without fp8 matmuls (outside emulation) and an
+    exclude pattern that matches nothing, then swap the chosen Linears for torchao's fp8 ones
+    (zeroshard/precision/fp8.py's [Note: fp8 compute]). Returns the swapped modules' names."""
+    settings = plan.fp8
+    if settings is None:
+        return []
+    from zeroshard.precision.fp8 import unmatched_patterns
+
+    unmatched = unmatched_patterns(model, settings)
+    if unmatched:
+        raise ValueError(
+            f"zeroshard.fp8.exclude_modules={unmatched}: matches no torch.nn.Linear of the model. Name modules "
+            "as model.named_modules() does (fnmatch patterns such as \"blocks.*.mlp.c_proj\"), or remove it."
+        )
+    from zeroshard.precision.fp8_linear import fp8_device_problem, swap_to_fp8
+
+    problem = fp8_device_problem(device, settings)
+    if problem is not None:
+        raise ValueError(problem)
+    return swap_to_fp8(model, settings)
+
+
 def cast_module(model: nn.Module, plan: PrecisionPlan) -> dict[int, str]:
     """Give every parameter its group's dtype; floating buffers keep theirs unless the plan
     names a buffer dtype (data_types.buffer_dtype). Returns each parameter's precision group

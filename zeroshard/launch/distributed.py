@@ -12,7 +12,12 @@ process aborts ("terminate called without an active exception", SIGABRT). Freein
 joins its worker threads (with the GIL released), so the group must be gone first:
 
 - a group `init_distributed` creates is destroyed by an atexit handler (after the user's
-  own code, before finalization), unless the user destroyed it already;
+  own code, before finalization, after a gc pass so that what only cycles keep, a dropped DDP
+  model among them, is freed while the group exists), unless the user destroyed it already;
+- an object that holds the group (torch's DDP Reducer, FSDP2 modules, DeepSpeed's engine) must be
+  freed before the group is destroyed: freed after it, it frees the group in its own destructor
+  while holding the GIL, and the gloo worker it joins may be waiting for the GIL (a deadlock at
+  exit; benchmarks/process_group.py `close_group` checks this for the benchmarks);
 - a group the user creates is the user's to destroy (`dist.destroy_process_group()` at the
   end of the script, as torch asks);
 - `destroy_process_group` frees the group only if nothing else references it. torch's own
@@ -32,6 +37,7 @@ joins its worker threads (with the GIL released), so the group must be gone firs
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 import warnings
@@ -109,6 +115,10 @@ def _destroy_if_initialized() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     release_default_group_arguments()
+    # What only a reference cycle keeps (a dropped engine, a user's DDP model: its Reducer holds
+    # the group) goes now, while the group exists: freed after the destroy, a DDP model frees
+    # the group inside its own destructor, which can deadlock with the gloo workers.
+    gc.collect()
     world = dist.group.WORLD
     gloo = dist.get_backend() == "gloo"
     dist.destroy_process_group()

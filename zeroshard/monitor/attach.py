@@ -1,6 +1,6 @@
-"""What an engine builds to be seen: its figures (timers, FLOPs, collectives, MoE and Muon),
-DeepSpeed's monitors (csv, tensorboard, wandb) and `engine.metrics()`, joined in one place so the
-engine holds three attributes and imports one module for them."""
+"""What an engine builds to be seen, around DeepSpeed's monitors (csv, tensorboard, wandb:
+master.py, built first): its figures (timers, FLOPs, collectives, MoE and Muon) and
+`engine.metrics()`, joined in one place."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from zeroshard.monitor.training_figures import TrainingFigures
 
 
 def build_monitoring(
-    module: nn.Module, config: Any, device: torch.device, rank: int, optimizer: Any, fp16: bool
-) -> tuple[RunFigures, MonitorMaster, TrainingFigures]:
-    """(figures, monitor, training figures); `metrics()` of the last includes the figures'
-    summary under their own keys (`timers/...`, `flops/...`, `comms/...`, `moe/...`)."""
+    module: nn.Module, config: Any, device: torch.device, rank: int, optimizer: Any, monitor: MonitorMaster,
+    fp16: bool,
+) -> tuple[RunFigures, TrainingFigures]:
+    """(figures, training figures) around the engine's `monitor` (built first, at the start of
+    the engine: it may refuse the config); `metrics()` of the training figures includes the
+    figures' summary under their own keys (`timers/...`, `flops/...`, `comms/...`, `moe/...`)."""
     figures = RunFigures(module, config, device, rank, optimizer)
-    monitor = MonitorMaster(config, rank)
     training = TrainingFigures(monitor, fp16=fp16)
     training.register("", figures.summary)
-    return figures, monitor, training
+    return figures, training

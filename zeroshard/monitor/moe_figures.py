@@ -80,7 +80,7 @@ class MoEFigures:
     @staticmethod
     def _autoep_hook(tally: _LayerTally):
         def hook(module, args, output) -> None:
-            if module.training:
+            if module.training and torch.is_grad_enabled():  # training forwards only (see below)
                 _, _, selected = output  # [tokens, k]: dropless, every route is kept
                 tally.add(torch.bincount(selected.reshape(-1), minlength=tally.num_experts), None, None)
         return hook
@@ -88,7 +88,9 @@ class MoEFigures:
     @staticmethod
     def _deepspeed_hook(tally: _LayerTally):
         def hook(module, args, output) -> None:
-            if not module.training:
+            # Training forwards only (train mode, grad enabled): an evaluation under no_grad in
+            # train mode would mix its routing into the training figures.
+            if not (module.training and torch.is_grad_enabled()):
                 return
             if len(output) == 7:  # sparse routes: indices [k, S] with -1 for a dropped route
                 aux, _, _, indices, _, _, counts = output

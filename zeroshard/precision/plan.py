@@ -23,6 +23,10 @@ torch_autocast mode there are two parameter groups: parameters owned by the
 ``torch_autocast`` (dtype bf16) is bf16 mode with autocast's op policy for the compute
 (DeepSpeed accepts it): bf16 parameters, the precision-sensitive ops in fp32.
 
+``zeroshard.fp8`` (bf16 mode only) adds a group "fp8": the weights of the Linears that
+compute in fp8 (zeroshard/precision/fp8.py's [Note: fp8 compute]); at stage 3 with the
+tensorwise recipe their gather dtype is ``float8_e4m3fn``.
+
 Lossy choices a user may make to save memory or bandwidth are allowed and listed in
 ``PrecisionPlan.lossy`` (``explain`` marks them, ``resolve_config`` warns once): accumulating
 in a dtype narrower than the gradient's, and communicating in one narrower than the
@@ -33,6 +37,7 @@ This module is pure: it needs no process group, and the plan is the same on ever
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 
@@ -45,6 +50,7 @@ from zeroshard.config.schema import (
     ZeroshardConfig,
     canonical_dtype_name,
 )
+from zeroshard.precision.fp8 import Fp8Settings, fp8_weight_ids
 
 __all__ = [
     "LossScaleSettings",
@@ -65,6 +71,8 @@ _GRAD_SCALER_GROWTH_INTERVAL = 2000
 GROUP_ALL = "all"
 GROUP_SAFE = "lower_precision_safe"
 GROUP_OTHER = "other"
+GROUP_FP8 = "fp8"
+FP8_WIRE_DTYPE = torch.float8_e4m3fn
 
 
 _SKIP_KEY = "zeroshard.skip_nonfinite_steps"
@@ -149,6 +157,7 @@ class PrecisionPlan:
         buffer_dtype: the dtype floating buffers are cast to (``data_types.buffer_dtype``);
             None keeps each buffer's own dtype, in every mode (a rotary ``inv_freq`` stays fp32
             in bf16 training).
+        fp8: the ``zeroshard.fp8`` settings when fp8 compute is on (group "fp8"), else None.
     """
 
     mode: str
@@ -161,6 +170,7 @@ class PrecisionPlan:
     notes: list[str] = field(default_factory=list)
     lossy: list[str] = field(default_factory=list)
     buffer_dtype: torch.dtype | None = None
+    fp8: Fp8Settings | None = None
 
     def group_for_module(self, module: nn.Module) -> RolePlan:
         """The group of the parameters that ``module`` owns directly."""
@@ -190,6 +200,10 @@ class PrecisionPlan:
             "notes": list(self.notes),
             "lossy": list(self.lossy),
             "buffers": dtype_name(self.buffer_dtype) if self.buffer_dtype else "own dtype",
+            "fp8": None if self.fp8 is None else {
+                "recipe": self.fp8.recipe, "min_features": self.fp8.min_features, "emulate": self.fp8.emulate,
+                "exclude_modules": list(self.fp8.exclude_modules),
+            },
         }
 
 
@@ -275,6 +289,53 @@ def _check_bf16_options(config: ZeroshardConfig, problems: list[str]) -> None:
         )
 
 
+def _fp8_settings(config: ZeroshardConfig, mode: str, problems: list[str]) -> Fp8Settings | None:
+    """The fp8 section when enabled, after the rules across sections (bf16 mode only)."""
+    fp8 = config.zeroshard.fp8
+    if not fp8.enabled:
+        return None
+    if config.fp16.enabled:
+        problems.append(
+            "zeroshard.fp8.enabled=true: fp8 compute sits on bf16 parameters and fp32 master weights, and "
+            "fp16.enabled=true makes the parameters fp16 with loss scaling (torchao's float8 training keeps "
+            "bf16 outputs and gradients). Set bf16.enabled=true and fp16.enabled=false, or zeroshard.fp8.enabled=false."
+        )
+    elif config.torch_autocast.enabled:
+        problems.append(
+            "zeroshard.fp8.enabled=true: not with torch_autocast.enabled=true (the fp8 Linears cast their own "
+            "operands; autocast's op policy would recast their inputs). Set torch_autocast.enabled=false and "
+            "bf16.enabled=true, or zeroshard.fp8.enabled=false."
+        )
+    elif mode != "bf16":
+        problems.append(
+            "zeroshard.fp8.enabled=true: needs bf16.enabled=true (fp8 compute sits on bf16 parameters and fp32 "
+            "master weights). Set bf16.enabled=true, or zeroshard.fp8.enabled=false."
+        )
+    return Fp8Settings(fp8.recipe, fp8.min_features, fp8.emulate, tuple(fp8.exclude_modules))
+
+
+def _fp8_role(config: ZeroshardConfig, settings: Fp8Settings, base: RolePlan, notes: list[str]) -> RolePlan:
+    """The "fp8" group: the bf16 group's dtypes, fp8 compute, and at stage 3 (tensorwise, the
+    parameters on the device) an fp8 gather."""
+    zero = config.zero_optimization
+    gather = base.gather_dtype
+    compute = f"fp8 e4m3 ({settings.recipe}{', emulated' if settings.emulate else ''})"
+    if zero.stage == 3 and settings.recipe == "tensorwise" and not zero.param_offload:
+        gather = FP8_WIRE_DTYPE
+        notes.append(
+            "fp8: stage 3 gathers the fp8 Linears' weights in float8_e4m3fn with one scale per weight "
+            "(one amax all-reduce per step), half the bytes of bf16; they are computed from those bytes."
+        )
+    elif zero.stage == 3 and settings.recipe == "rowwise":
+        notes.append(
+            "fp8: the rowwise recipe scales a weight per row in forward and per column in backward, so no "
+            "one fp8 copy serves both: stage 3 gathers these weights in bf16 (as torchao's FSDP2 path does)."
+        )
+    elif zero.stage == 3:
+        notes.append("fp8: with offload_param the gathers start from the host in bf16 (no fp8 gather).")
+    return dataclasses.replace(base, name=GROUP_FP8, compute=compute, gather_dtype=gather)
+
+
 def _wire_dtype(config: ZeroshardConfig) -> str | None:
     requested = config.communication_data_type
     return None if requested is None else canonical_dtype_name(requested)
@@ -308,6 +369,7 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
     problems: list[str] = []
     mode = _mode(config, problems)
     _check_bf16_options(config, problems)
+    fp8 = _fp8_settings(config, mode, problems)
     wire = _wire_dtype(config)
     requested_accum = config.data_types.grad_accum_dtype
     accum_name = None if requested_accum is None else canonical_dtype_name(requested_accum)
@@ -416,6 +478,8 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
             f"reduced and gathered in {low_name}; all other parameters in fp32. A parameter shared "
             "with a module outside that list stays fp32."
         )
+    if fp8 is not None:
+        groups[GROUP_FP8] = _fp8_role(config, fp8, groups[GROUP_ALL], notes)
     return PrecisionPlan(
         mode=mode,
         autocast_dtype=autocast_dtype,
@@ -427,6 +491,7 @@ def resolve_precision_plan(config: ZeroshardConfig) -> PrecisionPlan:
         notes=notes,
         lossy=_lossy_choices(config, groups),
         buffer_dtype=_torch_dtype(config.data_types.buffer_dtype) if config.data_types.buffer_dtype else None,
+        fp8=fp8,
     )
 
 
@@ -461,6 +526,9 @@ def assign_param_groups(plan: PrecisionPlan, model: nn.Module) -> dict[str, str]
     directly by several modules (tied weights) is "lower_precision_safe" only if every owner is
     a safe module; otherwise it is "other", so a tied embedding/lm-head weight stays fp32.
     """
+    if plan.fp8 is not None:  # the weights of the fp8 Linears, [Note: fp8 compute]
+        fp8 = fp8_weight_ids(model, plan.fp8)
+        return {name: GROUP_FP8 if id(p) in fp8 else GROUP_ALL for name, p in model.named_parameters()}
     if plan.mode != "torch_autocast":
         return {name: GROUP_ALL for name, _ in model.named_parameters()}
     all_owners_safe: dict[int, bool] = {}

@@ -36,6 +36,10 @@ def tensor_parallel_problems(cfg: ZeroshardConfig, world_size: int, mode: str | 
     if cfg.zeroshard.shard_group_size is not None:
         problems.append(f"{at} with zeroshard.shard_group_size={cfg.zeroshard.shard_group_size}: hybrid sharding "
                         "with tensor parallelism is not supported. Remove one of them.")
+    if cfg.zeroshard.fp8.enabled:
+        problems.append(f"{at} with zeroshard.fp8.enabled: fp8 compute swaps whole nn.Linear layers for torchao's; "
+                        "the split layers are not swapped, so fp8 with tensor parallelism is not supported. Use one "
+                        "of them.")
     if cfg.optimizer is not None and cfg.optimizer.type.lower() == "muon":
         problems.append(f"{at} with optimizer.type={cfg.optimizer.type!r}: Muon orthogonalises whole matrices and "
                         "each rank holds a slice of every split one; gathering them over the tensor group is not "

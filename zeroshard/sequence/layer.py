@@ -19,10 +19,13 @@ that first, by one small all-gather of the shapes (zeroshard/sequence/shapes.py)
 different local lengths or batches get a ValueError on every rank instead of an abort in the
 all-to-all.
 
-Heads need not divide P: the first `H % P` ranks take one extra head, and the all-to-all moves
-uneven chunks. Grouped-query attention keeps its key/value heads shared: each rank receives
-the key/value heads its query heads use (a key/value head is sent to several ranks when there
-are fewer of them than ranks, which is exact: their gradients sum back through the selection).
+Heads need not divide P, as in DeepSpeed 0.19.8 (`uneven_heads_all2all`): the heads are split
+by key/value group, the first `KV % P` ranks taking one group more, each group with its
+`H / KV` query heads, so a grouped-query group never crosses ranks (3 heads over 2 ranks: 2 and
+1; 6 query heads over 3 key/value heads: 4 + 2 query heads, 2 + 1 key/value heads), and the
+all-to-all moves uneven chunks (`head_split`). With fewer key/value heads than ranks, which
+DeepSpeed refuses, each rank receives the key/value heads its query heads use (a key/value head
+is sent to several ranks, which is exact: their gradients sum back through the selection).
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ __all__ = [
     "exchange_heads",
     "exchange_overlapped",
     "head_counts",
+    "head_split",
     "heads_to_sequence",
     "kv_selection",
     "sequence_to_heads",
+    "single_all_to_all",
+    "uneven_heads_all2all",
 ]
 
 
@@ -147,16 +153,55 @@ def _dims(scatter_idx: int, gather_idx: int, batch_dim_idx: int) -> tuple[int, i
     return head_dim, 1 - batch_dim_idx
 
 
+def split_counts(total: int, num_kv_heads: int | None, world: int) -> list[int]:
+    """Heads per rank after scattering `total` heads over `world` ranks, as DeepSpeed 0.19.8's
+    exchange splits them: evenly when `world` divides them and no key/value count is given;
+    otherwise by key/value group (`num_kv_heads`, or `total` itself: one group per head), rank r
+    taking `total / num_kv_heads` heads for each of its `head_counts(num_kv_heads, world)[r]`
+    groups."""
+    if num_kv_heads is None:
+        if total % world == 0:
+            return [total // world] * world
+        num_kv_heads = total
+    if num_kv_heads < world:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} is less than the sequence-parallel size {world}: a rank would have no "
+            "key/value head of its own (DeepSpeed refuses it too). DistributedAttention handles it (each rank "
+            "receives the key/value heads its query heads use); or use a sequence-parallel size of at most "
+            f"{num_kv_heads}."
+        )
+    if total % num_kv_heads:
+        return head_counts(total, world)  # DeepSpeed's near-even split for a count that is not per group
+    return [total // num_kv_heads * kv for kv in head_counts(num_kv_heads, world)]
+
+
+def head_split(num_q: int, num_kv: int, world: int) -> tuple[list[int], list[int], list[int] | None]:
+    """(query heads per rank, key/value heads per rank, the key/value heads sent, in rank order,
+    or None for the plain split) for attention with `num_q` query and `num_kv` key/value heads
+    over `world` ranks: DeepSpeed's split by key/value group when there are at least as many
+    key/value heads as ranks (`split_counts`), else `kv_selection`."""
+    if num_q % num_kv:
+        raise ValueError(f"{num_q} query heads are not a multiple of {num_kv} key/value heads")
+    if num_kv >= world:
+        kv_counts = split_counts(num_kv, num_kv, world)
+        return [num_q // num_kv * kv for kv in kv_counts], kv_counts, None
+    selection, kv_counts = kv_selection(num_q, num_kv, world)
+    return head_counts(num_q, world), kv_counts, selection
+
+
 class _SeqAllToAll:
     """The differentiable all-to-all between a sequence split and a head split, under DeepSpeed's
     name.
 
     `apply(group, input, scatter_idx, gather_idx, batch_dim_idx, stream=None, handle=None,
-    type=None, is_fwd=True, counts=None)`: DeepSpeed's positional signature, plus the heads
-    each rank holds after scattering them (None: an even split; `DistributedAttention` passes
-    `head_counts(H, P)` so that uneven head counts work in both directions). `stream`,
-    `handle`, `type` and `is_fwd` are accepted for compatibility; the collective runs on the
-    current stream. Its gradient is the exchange the other way (zeroshard/comm/exchange.py).
+    type=None, is_fwd=True, num_kv_heads=None)`: DeepSpeed 0.19.8's positional signature. Head
+    counts the group size does not divide are split as DeepSpeed splits them (`split_counts`): in
+    the scatter direction from the input's heads and `num_kv_heads`, in the gather direction
+    from the heads each rank holds (they may differ by rank; checked against `num_kv_heads` when
+    given). zeroshard also takes the per-rank head counts themselves as a list in
+    `num_kv_heads`'s place. `stream`, `handle`, `type` and `is_fwd` are accepted for
+    compatibility; the collective runs on the current stream. Its gradient is the exchange the
+    other way (zeroshard/comm/exchange.py).
     """
 
     @staticmethod
@@ -170,17 +215,51 @@ class _SeqAllToAll:
         handle: Any = None,
         type: Any = None,
         is_fwd: bool = True,
-        counts: list[int] | None = None,
+        num_kv_heads: int | list[int] | None = None,
     ) -> Tensor:
         group = comm.as_group(group)
         head_dim, seq_dim = _dims(scatter_idx, gather_idx, batch_dim_idx)
         scatters_heads = scatter_idx >= 2
-        if counts is None:  # a direct call (DistributedAttention passes counts, its shapes agreed)
-            agree_shapes({"input": input}, group, "Ulysses all-to-all (_SeqAllToAll)", _EQUAL_SLICES)
-            # every rank holds the same number of heads after the exchange
-            total = input.shape[head_dim] * (1 if scatters_heads else group.size)
-            counts = head_counts(total, group.size)
+        what = "Ulysses all-to-all (_SeqAllToAll)"
+        if isinstance(num_kv_heads, list | tuple):  # the counts themselves
+            counts = list(num_kv_heads)
+        elif scatters_heads:  # every rank holds every head: the shapes must agree
+            agree_shapes({"input": input}, group, what, _EQUAL_SLICES)
+            counts = split_counts(input.shape[head_dim], num_kv_heads, group.size)
+        else:  # each rank holds its own heads: all but the head dimension must agree
+            shapes = agree_shapes({"input": input}, group, what, _EQUAL_SLICES, vary_dim=head_dim)
+            counts = [rank[0][head_dim] for rank in shapes]
+            if num_kv_heads is not None and counts != split_counts(sum(counts), num_kv_heads, group.size):
+                raise ValueError(
+                    f"{what} over ranks {list(group.ranks)}: the ranks hold {counts} heads, not the split of "
+                    f"{sum(counts)} heads by num_kv_heads={num_kv_heads} "
+                    f"({split_counts(sum(counts), num_kv_heads, group.size)}). Pass the num_kv_heads the scatter used."
+                )
         return exchange_heads(input, group, head_dim, seq_dim, counts, scatters_heads)
+
+
+def single_all_to_all(
+    input: Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int, group: Any, async_op: bool = False,
+    handle: Any = None, type: Any = None, num_kv_heads: int | None = None,
+) -> Tensor:
+    """DeepSpeed's low-level exchange (`deepspeed.sequence.layer.single_all_to_all`), uneven
+    head counts included; here it is `_SeqAllToAll.apply` (differentiable). Synchronous: for
+    overlap, give `DistributedAttention` an `sp_stream`."""
+    if async_op:
+        raise ValueError(
+            "single_all_to_all(async_op=True): zeroshard's exchange is synchronous and fills no overlap handle. "
+            "Pass async_op=False, or let DistributedAttention(sp_stream=...) overlap the query, key and value."
+        )
+    return _SeqAllToAll.apply(group, input, scatter_idx, gather_idx, batch_dim_idx, None, handle, type, True,
+                              num_kv_heads)
+
+
+def uneven_heads_all2all(
+    input: Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int, group: Any, num_kv_heads: int
+) -> Tensor:
+    """DeepSpeed 0.19.8's exchange for head counts the group size does not divide (`single_all_to_all`
+    with `num_kv_heads`)."""
+    return single_all_to_all(input, scatter_idx, gather_idx, batch_dim_idx, group, num_kv_heads=num_kv_heads)
 
 
 def kv_selection(num_q: int, num_kv: int, world: int) -> tuple[list[int] | None, list[int]]:
@@ -280,8 +359,7 @@ class DistributedAttention(torch.nn.Module):
                 f"{num_q} attention heads cannot be split over {group.size} sequence-parallel ranks: "
                 "use a sequence-parallel size of at most the head count"
             )
-        q_counts = head_counts(num_q, group.size)
-        selection, kv_counts = kv_selection(num_q, num_kv, group.size)
+        q_counts, kv_counts, selection = head_split(num_q, num_kv, group.size)
         if selection is not None:
             index = torch.tensor(selection, device=key.device)
             key, value = key.index_select(head_dim, index), value.index_select(head_dim, index)
@@ -295,9 +373,7 @@ class DistributedAttention(torch.nn.Module):
             q = _apply_rotary(q, cos, sin)
             k = _apply_rotary(k, cos, sin)
         context = self.local_attn(q, k, v, *args, **kwargs)
-        return _SeqAllToAll.apply(
-            group, context, self.gather_idx, self.scatter_idx, batch_dim_idx, None, None, None, False, q_counts
-        )
+        return exchange_heads(context, group, head_dim, seq_dim, q_counts, False)
 
 
 def _apply_rotary(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -40,14 +40,24 @@ def gather_shapes(shapes: Sequence[Sequence[int]], group: comm.Group, device: to
     return [[tuple(t[1 : 1 + t[0]]) for t in rank] for rank in rows]
 
 
-def agree_shapes(tensors: dict[str, torch.Tensor], group: comm.Group, what: str, fix: str) -> None:
-    """Raise ValueError on every rank of `group` unless every rank holds `tensors` with the
-    same shapes (the names say which is which in the message; `fix` says what to do)."""
+def agree_shapes(
+    tensors: dict[str, torch.Tensor], group: comm.Group, what: str, fix: str, vary_dim: int | None = None
+) -> list[list[tuple]]:
+    """Every rank's shapes of `tensors`, in group-rank order; ValueError on every rank of `group`
+    unless every rank holds them with the same shapes, dimension `vary_dim` (the heads a rank
+    holds after an uneven split) excepted (the names say which is which in the message; `fix`
+    says what to do)."""
     names = list(tensors)
     device = next(iter(tensors.values())).device
     everyone = gather_shapes([tuple(t.shape) for t in tensors.values()], group, device)
-    if all(shapes == everyone[0] for shapes in everyone):
-        return
+
+    def compared(shapes: list[tuple]) -> list[tuple]:
+        if vary_dim is None:
+            return shapes
+        return [s[:vary_dim] + s[vary_dim + 1 :] if len(s) > vary_dim else s for s in shapes]
+
+    if all(compared(shapes) == compared(everyone[0]) for shapes in everyone):
+        return everyone
     listed = "; ".join(
         f"rank {r}: " + ", ".join(f"{n} {list(s)}" for n, s in zip(names, shapes, strict=True))
         for r, shapes in zip(group.ranks, everyone, strict=True)

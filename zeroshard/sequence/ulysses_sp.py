@@ -38,7 +38,7 @@ from torch import Tensor
 from zeroshard.comm import collectives as comm
 from zeroshard.sequence import parallel_state_sp
 from zeroshard.sequence.dataloader import UlyssesSPDataLoaderAdapter
-from zeroshard.sequence.layer import _EQUAL_SLICES, exchange_heads, head_counts, kv_selection
+from zeroshard.sequence.layer import _EQUAL_SLICES, exchange_heads, head_split
 from zeroshard.sequence.shapes import agree_shapes
 from zeroshard.sequence.tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 
@@ -104,8 +104,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
         self.disable_in_eval = disable_in_eval
         _check_heads(attn_head_count, kv_head_count, self.world_size)
-        self.q_counts = head_counts(attn_head_count, self.world_size)
-        self.kv_index, self.kv_counts = kv_selection(attn_head_count, kv_head_count, self.world_size)
+        # DeepSpeed's split by key/value group, also for counts the group size does not divide
+        # (zeroshard/sequence/layer.py head_split; DeepSpeed's own HF integration refuses those).
+        self.q_counts, self.kv_counts, self.kv_index = head_split(attn_head_count, kv_head_count, self.world_size)
 
     def _core(self, module: torch.nn.Module) -> Callable:
         return self.attn if self.attn is not None else _eager_of(module)
@@ -262,16 +263,15 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
 
 def _check_heads(num_q: int, num_kv: int, world: int) -> None:
-    if num_q % world:
+    """Any head counts split over the ranks (unevenly where `world` does not divide them), as long
+    as every rank gets a query head."""
+    if num_q < world:
         raise ValueError(
-            f"num_attention_heads={num_q} is not divisible by sequence_parallel_size={world}. "
-            "Pick a sequence-parallel size that divides the head count."
+            f"num_attention_heads={num_q} is less than sequence_parallel_size={world}: a rank would attend over "
+            "no head. Pick a sequence-parallel size of at most the head count."
         )
-    if num_kv % world and world % num_kv:
-        raise ValueError(
-            f"num_key_value_heads={num_kv} and sequence_parallel_size={world} must divide one another. "
-            "Pick a sequence-parallel size that divides the key/value head count or is a multiple of it."
-        )
+    if num_q % num_kv:
+        raise ValueError(f"num_attention_heads={num_q} is not a multiple of num_key_value_heads={num_kv}.")
 
 
 def _causal_additive_mask(seq: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,10 +42,16 @@ from zeroshard.sharding.ranges import overlap
 from zeroshard.sharding.stages import StagePolicy
 from zeroshard.sharding.streams import COMPUTE, GATHER, NULL_STREAMS, StreamSet
 
+if TYPE_CHECKING:
+    from zeroshard.sharding.fp8_gather import Fp8FlatGather
+
 
 class ShardState(Enum):
     SHARDED = "sharded"  # full buffer has no storage (stage 3 between uses)
     UNSHARDED = "unsharded"  # full buffer materialised, module params valid
+    # Gathered in fp8 for compute: `fp8.full` holds the weights, the module params are
+    # placeholders (zeroshard/sharding/fp8_gather.py's [Note: fp8 gathers]).
+    FP8 = "fp8"
 
 
 class FlatParamGroup:
@@ -108,6 +114,9 @@ class FlatParamGroup:
         self.state = ShardState.UNSHARDED
 
         self._pending_gather: Gathering | None = None  # the all-gather in flight
+        self._pending_fp8 = False  # the gather in flight is the fp8 one
+        # Stage 3, role "fp8" with an fp8 gather dtype: set by zeroshard/sharding/fp8_gather.py.
+        self.fp8: Fp8FlatGather | None = None
         # Stage 3: between uses a parameter lives only as this rank's shard.
         self.params_sharded = not policy.keep_full_params
         offloaded = spec.placement != "device" or spec.param_placement != "device"
@@ -201,7 +210,7 @@ class FlatParamGroup:
     @property
     def full_held(self) -> bool:
         """Stage 3: the full buffer holds storage (gathered, or a gather in flight)."""
-        return self.params_sharded and (self.state is ShardState.UNSHARDED or self._pending_gather is not None)
+        return self.params_sharded and (self.state is not ShardState.SHARDED or self._pending_gather is not None)
 
     def free_full(self) -> None:
         if self.policy.keep_full_params:
@@ -212,9 +221,20 @@ class FlatParamGroup:
             return
         # Compute waited on the gather's event (finish_gather): the release is in compute order.
         self.streams.released(self.unit_name)
-        self.full.untyped_storage().resize_(0)
+        if self.state is ShardState.UNSHARDED:
+            self.full.untyped_storage().resize_(0)
+        if self.fp8 is not None:
+            self.fp8.release()
         self._detach_views()
         self.state = ShardState.SHARDED
+
+    def release_exact(self) -> None:
+        """Back from an exact gather on top of an fp8 one to the fp8 state (GatheredParameters
+        inside a forward that computes from the fp8 bytes)."""
+        if self.state is ShardState.UNSHARDED and self.fp8 is not None and self.fp8.held:
+            self.full.untyped_storage().resize_(0)
+            self.fp8.attach()
+            self.state = ShardState.FP8
 
     def start_gather(self, tag: str = "param", exact: bool = False) -> None:
         """Begin materialising the full buffer from every rank's `param_shard` (stage 3).
@@ -226,17 +246,29 @@ class FlatParamGroup:
         if self.state is ShardState.UNSHARDED or self._pending_gather is not None:
             return
         assert self.params_sharded
+        fp8 = self.fp8 is not None and not exact
+        if fp8 and self.state is ShardState.FP8:
+            return
+        if fp8:
+            self.fp8.table.ensure()  # the step's amax all-reduce, before its first fp8 gather
         # Allocated on the compute stream; the gather stream writes it only after compute's
         # queued work so far (the allocation, the step's writes of param_shard or the master).
-        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        if fp8:
+            self.fp8.allocate()
+        else:
+            self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         streams = self.streams
         ready = streams.record(COMPUTE, f"gather-ready:{self.unit_name}")
         wire = None if exact else self.role.gather_dtype
         with streams.on(GATHER):
             streams.wait(GATHER, ready)
-            self._pending_gather = all_gather_shards(
-                [self._gather_piece(wire)], group=self.spec.shard, tag=tag, wire_dtype=wire,
-            )
+            self._pending_fp8 = fp8
+            if fp8:
+                self._pending_gather = self.fp8.start(tag)
+            else:
+                self._pending_gather = all_gather_shards(
+                    [self._gather_piece(wire)], group=self.spec.shard, tag=tag, wire_dtype=wire,
+                )
 
     def _gather_piece(self, wire: torch.dtype | None) -> GatherPiece:
         """[Note: gathering from the master]
@@ -264,12 +296,20 @@ class FlatParamGroup:
             pending.wait()  # the gather stream joins the collective (and copies out a bucket)
             done = streams.record(GATHER, f"gather-done:{self.unit_name}")
         streams.wait(COMPUTE, done)  # before any read of the gathered parameters or a free
-        self._attach_views()
-        self.state = ShardState.UNSHARDED
+        if self._pending_fp8:
+            self.fp8.attach()
+            self.state = ShardState.FP8
+        else:
+            self._attach_views()
+            self.state = ShardState.UNSHARDED
 
     def gather_full(self, tag: str = "param", exact: bool = False) -> None:
         """Materialise the full buffer now (waiting for a prefetch already in flight)."""
         if self.state is ShardState.UNSHARDED:
+            return
+        if self._pending_gather is not None and self._pending_fp8 and exact:
+            self.finish_gather()  # the fp8 prefetch first; the exact gather goes on top
+        if self.state is ShardState.FP8 and not exact:
             return
         self.start_gather(tag, exact)
         self.finish_gather()
@@ -286,6 +326,8 @@ class FlatParamGroup:
         assert not self.needs_gather_to_publish(), "stages 1-2 publish with publish_masters"
         with torch.no_grad():
             if self.params_sharded:  # stage 3: params stay sharded
+                if self.fp8 is not None:
+                    self.fp8.table.invalidate()  # new weights, new scales
                 # Gathering from the master: nothing to copy, the next gather casts it.
                 if self.param_shard is not None and self.param_shard is not self.master:
                     self.param_shard.copy_(self.master)
@@ -319,6 +361,8 @@ class FlatParamGroup:
         parameter must not round an fp32 master it did not change). GatheredParameters'
         modifier path."""
         full = self.full
+        if self.fp8 is not None:
+            self.fp8.table.invalidate()
         with torch.no_grad():
             if self.param_shard is not None:
                 at = self.param_shard.device  # the host with offload_param

@@ -243,7 +243,7 @@ class ParamSchedule:
     def _use_directly(self, units: list[Unit]) -> None:
         """A parameter of each unit is about to be read by code outside it: gather and pin."""
         for unit in units:
-            unit.gather()  # a collective: every rank uses the parameter (docs/reliability.md)
+            unit.gather(readable=True)  # a collective: every rank uses the parameter (docs/reliability.md)
             if id(unit) not in self._pinned:
                 self._pinned[id(unit)] = unit
                 self._pinned_now.append(unit)
@@ -252,7 +252,7 @@ class ParamSchedule:
         def on_grad(grad):
             # A backward through a retained graph after the first one released the pin.
             for unit in units:
-                unit.gather()
+                unit.gather(readable=True)
                 self._pinned[id(unit)] = unit
             return grad
 

@@ -69,12 +69,14 @@ class Unit:
     def gathered(self) -> bool:
         return all(f.state is ShardState.UNSHARDED for f in self.flats)
 
-    def gather(self, tag: str = "param", exact: bool = False) -> None:
+    def gather(self, tag: str = "param", exact: bool = False, readable: bool = False) -> None:
         """Materialise every flat's full parameters (`exact`: in the parameter dtype, not the
-        plan's gather dtype; for readers such as exports, not for compute)."""
+        plan's gather dtype; for readers such as exports, not for compute). `readable`: the
+        parameters hold values afterwards (a flat gathered in fp8 for compute holds
+        placeholders, zeroshard/sharding/fp8_gather.py's note, so it is gathered exactly)."""
         with faults.in_unit(self.name):
             for flat in self.flats:
-                flat.gather_full(tag, exact)
+                flat.gather_full(tag, exact or (readable and flat.fp8 is not None))
 
     def start_gather(self) -> None:
         with faults.in_unit(self.name):

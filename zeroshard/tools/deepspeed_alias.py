@@ -22,12 +22,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata
+import os
 import shutil
 import sys
 import sysconfig
 from pathlib import Path
 
-from zeroshard.tools import deepspeed_command
+from zeroshard.tools import deepspeed_command, deepspeed_shadow
 
 DISTRIBUTION = "deepspeed"
 # DeepSpeed's release whose API zeroshard follows; `+zeroshard` marks the alias (a local version
@@ -35,7 +36,7 @@ DISTRIBUTION = "deepspeed"
 VERSION = "0.19.8+zeroshard"
 LOCAL_LABEL = "+zeroshard"
 DIST_INFO = f"{DISTRIBUTION}-{VERSION}.dist-info"
-MARKER = "# zeroshard deepspeed alias"  # first line of the alias's __init__: how we know our own files
+MARKER = deepspeed_shadow.MARKER  # first line of the alias's __init__: how we know our own files
 
 INIT_SOURCE = f'''{MARKER} (`zeroshard install-deepspeed-alias`; undo with `--uninstall` or `pip uninstall deepspeed`).
 """`deepspeed` is zeroshard in this environment: `import deepspeed` gives the zeroshard module and
@@ -79,6 +80,7 @@ def install(target: str | Path | None = None, scripts: str | Path | None = None)
     target = Path(target) if target is not None else default_target()
     scripts = Path(scripts) if scripts is not None else deepspeed_command.scripts_dir(target if explicit else None)
     _refuse_real_deepspeed(target)
+    _refuse_shadowing(target)
     foreign = deepspeed_command.foreign_script(scripts)
     if foreign is not None:
         raise AliasError(
@@ -177,6 +179,26 @@ def _refuse_real_deepspeed(target: Path) -> None:
             f"{target / DISTRIBUTION} exists and is not the zeroshard alias (a DeepSpeed source tree or another "
             "package named deepspeed); move it away, then run `zeroshard install-deepspeed-alias` again."
         )
+
+
+def _refuse_shadowing(target: Path) -> None:
+    """Refuse when another `deepspeed` (a source checkout) would be imported instead of the alias:
+    one in the working directory or on sys.path before `target` (all of sys.path when `target`
+    is not on it)."""
+    entries = [p or os.getcwd() for p in sys.path]
+    resolved = [Path(p).resolve() for p in entries]
+    before = entries[: resolved.index(target.resolve())] if target.resolve() in resolved else entries
+    found = deepspeed_shadow.first_deepspeed([os.getcwd(), *before])
+    if found is None or found.resolve() == (target / DISTRIBUTION).resolve():
+        return
+    if deepspeed_shadow.is_alias_package(found):
+        return
+    raise AliasError(
+        f"{found} would be imported as `deepspeed` instead of the alias (it comes first on sys.path or is in the "
+        f"working directory: a DeepSpeed source checkout or another package named deepspeed). Run from another "
+        "folder and take that path out of sys.path (PYTHONPATH), then run `zeroshard install-deepspeed-alias` "
+        "again."
+    )
 
 
 def _is_alias_file(path: Path) -> bool:

@@ -178,6 +178,16 @@ def explain_data(
             data["autoep"] = {"autoep_size": config.expert_parallel.autoep_size, "layers": names,
                               "settings": settings.explain_lines()}
         data["model"] = {"spec": model_spec, **_model_report(model, plan)}
+        if config.sequence_parallel_size > 1:
+            data["parallel"]["attention"] = _attention_split(model, config.sequence_parallel_size)
+        if plan.fp8 is not None:
+            from zeroshard.precision.fp8 import fp8_linear_plan
+
+            data["model"]["fp8"] = [
+                {"module": c.name, "in_features": c.in_features, "out_features": c.out_features, "fp8": c.fp8,
+                 "why": c.reason}
+                for c in fp8_linear_plan(model, plan.fp8)
+            ]
         counts = {g: info["num_params"] for g, info in data["model"]["groups"].items()}
         estimate_world = None
         if config.tensor_parallel.size > 1:
@@ -389,6 +399,24 @@ def _parallel_layout(sequence_parallel_size: int, world_size: int) -> dict[str, 
     }
 
 
+def _attention_split(model: Any, sp: int) -> dict[str, Any] | None:
+    """How Ulysses splits the model's attention heads over the `sp` ranks of a sequence group
+    (zeroshard/sequence/layer.py head_split, DeepSpeed's uneven split) and the share of the
+    whole-sequence attention activations the busiest rank holds; None when the model's config
+    names no head count."""
+    from zeroshard.sequence.layer import head_split
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
+    if not isinstance(heads, int) or heads < sp:
+        return None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    q_counts, kv_counts, _ = head_split(heads, kv_heads, sp)
+    return {"heads": heads, "kv_heads": kv_heads, "query_heads_per_rank": q_counts, "kv_heads_per_rank": kv_counts,
+            "busiest_fraction": max(q_counts) / heads}
+
+
 def _human(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(nbytes) < 1024 or unit == "TiB":
@@ -456,6 +484,14 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
             console.print(f"  {group}: {info['num_params']:,} ({shown or 'none'})")
         if "units" in model:
             console.print(f"  units: {model['units']['count']}, largest {model['units']['largest_numel']:,} elements")
+        if "fp8" in model:
+            fp8_table = Table(title="FP8: which Linear layers compute in fp8 (zeroshard.fp8)")
+            for column in ("module", "in x out", "compute", "why"):
+                fp8_table.add_column(column)
+            for row in model["fp8"]:
+                fp8_table.add_row(row["module"], f"{row['in_features']} x {row['out_features']}",
+                                  "fp8" if row["fp8"] else "bf16", row["why"])
+            console.print(fp8_table)
         if "muon" in model:
             muon_table = Table(title="Muon: which optimizer each parameter gets")
             muon_table.add_column("parameter")
@@ -495,10 +531,21 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
             f"{parallel['sequence_groups']} (consecutive: two all-to-alls per attention layer), data groups "
             f"{parallel['data_groups']}; dense parameters sharded over all {parallel['dense_sharded_over']} ranks"
         )
-        console.print(
-            f"  activations per rank: 1/{sp} of a sequence's (each rank holds 1/{sp} of every sequence; attention "
-            f"holds the whole sequence for 1/{sp} of the heads), so a {sp}x longer sequence fits the same memory"
-        )
+        attention = parallel.get("attention")
+        if attention is None or max(attention["query_heads_per_rank"]) * sp == attention["heads"]:
+            console.print(
+                f"  activations per rank: 1/{sp} of a sequence's (each rank holds 1/{sp} of every sequence; attention "
+                f"holds the whole sequence for 1/{sp} of the heads), so a {sp}x longer sequence fits the same memory"
+            )
+        else:
+            counts = attention["query_heads_per_rank"]
+            console.print(
+                f"  activations per rank: 1/{sp} of a sequence's outside attention; attention holds the whole sequence "
+                f"for {', '.join(map(str, counts))} of the {attention['heads']} heads on the sequence ranks in turn "
+                f"({sp} does not divide them: split by key/value group, {attention['kv_heads']} groups), so the "
+                f"busiest rank holds {max(counts)}/{attention['heads']} = {attention['busiest_fraction']:.3f} of a "
+                "sequence's attention inputs"
+            )
 
     memory = data["memory"]
     estimate = memory["estimate"]

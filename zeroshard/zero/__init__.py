@@ -46,12 +46,13 @@ def GatheredParameters(
     # A model built under zeroshard.zero.Init, before initialize: its parameters are parts.
     unadopted = gather_partitioned(params)
     ordered = [f for f in registry.flats if id(f) in flats] if registry is not None else []
-    gathered_here = []
+    gathered_here, fp8_before = [], []
     for flat in ordered:
-        if flat.params_sharded and flat.state.value == "sharded":
-            # Exactly, in the parameter dtype: the plan's gather dtype is for compute.
+        if flat.params_sharded and flat.state.value != "unsharded":
+            # Exactly, in the parameter dtype: the plan's gather dtype is for compute (a flat
+            # gathered in fp8 holds placeholders: zeroshard/sharding/fp8_gather.py's note).
+            (fp8_before if flat.state.value == "fp8" else gathered_here).append(flat)
             flat.gather_full(tag="gathered_parameters", exact=True)
-            gathered_here.append(flat)
     before = [flat.full.clone() for flat in ordered] if modifier_rank is not None else []
     try:
         yield
@@ -66,4 +67,6 @@ def GatheredParameters(
                     flat.write_back_full(changed=flat.full.ne(old))
         for flat in gathered_here:
             flat.free_full()
+        for flat in fp8_before:
+            flat.release_exact()
         release_partitioned(unadopted, modifier_rank)

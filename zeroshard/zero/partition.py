@@ -27,6 +27,7 @@ from torch import nn
 from zeroshard.comm import collectives as comm
 from zeroshard.comm.collectives import Group
 from zeroshard.launch.device import backends_by_device
+from zeroshard.zero.param_attributes import assign_ds_id
 
 _INFO = "_zeroshard_init_partition"  # the attribute a partitioned parameter carries
 HOST = torch.device("cpu")
@@ -95,6 +96,7 @@ def partition(p: nn.Parameter, spec: PartitionSpec) -> None:
         del padded, mine
         p.data = torch.empty(0, dtype=part.dtype, device=HOST)
     p.ds_shape, p.ds_numel, p.ds_tensor = shape, numel, part
+    assign_ds_id(p)  # DeepSpeed numbers parameters as Init partitions them (param_attributes.py)
     setattr(p, _INFO, spec)
     p.convert_to_zero_parameters = functools.partial(convert_to_zero_parameters, spec)
 

@@ -57,8 +57,8 @@ def test_index_describes_every_parameter(saved) -> None:
         assert entry["optimizer_scalars"] == {"step": "tensor"}
     # global_samples: 2 steps of one train batch (GLOBAL_BATCH rows x 2 micro-steps) each.
     train_batch = GLOBAL_BATCH * 2
-    assert index["counters"] == {"global_steps": 2, "micro_steps": 4, "skipped_steps": 0,
-                                 "global_samples": 2 * train_batch}
+    assert index["counters"] == {"global_steps": 2, "micro_steps": 4, "gradient_accumulation_steps": 2,
+                                 "skipped_steps": 0, "global_samples": 2 * train_batch}
     assert index["config"]["zero_optimization"]["stage"] == 3
     assert index["precision_plan"]["mode"] == "bf16"
     # client_state with a tuple and a tensor is not plain JSON: it went to the pickle file.

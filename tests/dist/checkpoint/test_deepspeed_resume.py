@@ -2,7 +2,11 @@
 precision that saved them, against DeepSpeed's own uninterrupted run; the universal checkpoint on
 2 ranks at stage 3.
 
-Right after the load: bitwise (tolerance 0), masters, moments, counters and loss scale.
+Right after the load: bitwise (tolerance 0), masters, moments, counters and loss scale. The
+losses DeepSpeed recorded (the first is the loaded weights' own) are numbers from another machine:
+within the stated ulps of the run's parameter dtype (tests/unit/checkpoint/fixture_reference.py;
+every loss of the fp32 runs, the first of the 16-bit ones, whose later losses move with the
+reductions below).
 After M more steps, relative to the largest value of each tensor (max |zeroshard - DeepSpeed| / max |DeepSpeed|):
 - fp32: measured 2.4e-7 (the two engines sum the ranks' gradients in another order); tested 1e-5.
 - bf16: measured 5.5e-3 (the engines reduce 16-bit gradients across ranks differently); tested 2e-2.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from tests.unit.checkpoint.deepspeed_fixtures import UNIVERSAL, UNIVERSAL_FROM, ckpt, expected, parse_case
+from tests.unit.checkpoint.fixture_reference import assert_values_within_ulps
 from tests.unit.checkpoint.test_deepspeed_resume import assert_same, engine_for, snapshot, train
 
 TWO_RANK_CASES = ["s0_bf16_w2", "s1_fp32_w2_adam", "s2_bf16_w2", "s2_fp16_w2", "s3_fp32_w2"]
@@ -57,10 +62,10 @@ def test_two_rank_deepspeed_checkpoints_resume(dist_pool) -> None:
         want, got = expected(case), results[case]
         precision = parse_case(case)[1]
         assert got["counters"] == (want["at_save"]["global_steps"], want["at_save"]["global_samples"]), case
-        assert got["losses"][0] == want["losses_after"][0], case  # the loaded weights' loss: bitwise
+        assert_values_within_ulps(got["losses"][:1], want["losses_after"][:1], precision)  # the loaded weights'
         if AFTER_RTOL[precision] is not None:
             assert got["after_rel"] <= AFTER_RTOL[precision], (case, got["after_rel"])
         if precision == "fp32":
-            assert got["losses"] == want["losses_after"], case
+            assert_values_within_ulps(got["losses"], want["losses_after"], precision)
     assert results["s2_fp16_w2"]["scale"] == expected("s2_fp16_w2")["at_save"]["loss_scale"]
     assert results["s2_fp16_w2"]["scale_after"] == expected("s2_fp16_w2")["after"]["loss_scale"] == 1024.0

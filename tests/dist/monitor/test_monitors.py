@@ -114,3 +114,40 @@ def test_metrics_on_every_rank(monitored):
             assert figures["lr"] == seen["lr"][i] and figures["loss_scale"] == seen["loss_scale"][i]
             assert figures["loss"] == pytest.approx(math.fsum(seen["losses"][i]) / 2, rel=1e-6, abs=0)
             assert figures["grad_norm"] > 0
+
+
+def refused_monitor(root: str, section: str) -> str | None:
+    """initialize with `section`'s output_path under a regular file: the message this rank got."""
+    import pathlib
+
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.config.error import ConfigError
+
+    blocker = pathlib.Path(root) / "a_file"
+    if dist.get_rank() == 0:
+        blocker.write_text("not a folder\n")
+    dist.barrier()
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              section: {"enabled": True, "output_path": str(blocker / "runs"), "job_name": "job"}}
+    try:
+        zeroshard.initialize(model=torch.nn.Linear(2, 2), config=config)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("section", ["csv_monitor", "tensorboard"])
+def test_a_folder_that_cannot_be_created_is_refused_on_every_rank(dist_pool, tmp_path, section):
+    """A monitor folder that cannot be created (output_path under a regular file) refuses the
+    config at initialize on both ranks, naming the key and the path (before: rank 0 raised
+    NotADirectoryError, rank 1 went on and hung in its first collective)."""
+    messages = dist_pool(2).run(refused_monitor, str(tmp_path), section, timeout=60)
+    path = str(tmp_path / "a_file" / "runs")
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank} was not refused"
+        assert message.startswith(f"{section}.output_path={path!r}: cannot create the monitor folder"), message
+        assert "NotADirectoryError" in message and f"set {section}.enabled to false" in message, message
+    assert messages[0] == messages[1]

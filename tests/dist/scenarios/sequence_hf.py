@@ -144,8 +144,7 @@ def refusals() -> list[str]:
     messages = []
     for call in (
         lambda: UlyssesSPAttentionHF.register_with_transformers(tiny_llama("sdpa"), "eager", 2, 1),
-        lambda: UlyssesSPAttentionHF.register_with_transformers(tiny_llama("sdpa", heads=3, kv_heads=3), "sdpa", 2, 1),
-        lambda: UlyssesSPAttentionHF.register_with_transformers(tiny_llama("sdpa", heads=6, kv_heads=3), "sdpa", 2, 1),
+        lambda: UlyssesSPAttentionHF.register_with_transformers(tiny_llama("sdpa", heads=1, kv_heads=1), "sdpa", 2, 1),
         lambda: UlyssesSPAttentionHF.register_with_transformers(tiny_llama("sdpa"), "sdpa", 2, 1, seq_length=7,
                                                                 seq_length_is_variable=False),
     ):
@@ -244,4 +243,41 @@ def padded_alst(cases: list[tuple[str, int]]) -> list[dict[str, Any]]:
                 model.zero_grad(set_to_none=True)
         finally:
             UlyssesSPAttentionHF.unregister_from_transformers()
+    return results
+
+
+def attention_level(cases: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """For (heads, kv_heads) on 2 ranks: UlyssesSPAttentionHF around transformers' sdpa attention
+    on this rank's slice, against the same attention on the whole sequence (outputs [batch, seq,
+    heads, dim] and the query, key and value gradients, this rank's positions), and the heads each
+    rank attended over."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for heads, kv_heads in cases:
+        batch, seq, dim = 2, 4 * world, 8
+        gen = torch.Generator().manual_seed(7 * heads + kv_heads)
+        q = torch.randn(batch, heads, seq, dim, generator=gen)
+        k, v = (torch.randn(batch, kv_heads, seq, dim, generator=gen) for _ in range(2))
+        grad_out = torch.randn(batch, seq, heads, dim, generator=gen)
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.is_causal, module.layer_idx = heads // kv_heads, True, 0
+        ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref_out, _ = sdpa_attention_forward(module, *ref_in, None)
+        ref_out.backward(grad_out)
+        seen: list[int] = []
+
+        def core(mod, q_, k_, v_, mask, *args, seen=seen, **kwargs):
+            seen.append(q_.shape[1])
+            return sdpa_attention_forward(mod, q_, k_, v_, mask, *args, **kwargs)
+
+        ulysses = UlyssesSPAttentionHF(core, batch, heads, dim, kv_heads, 1, group, seq_length_is_variable=True)
+        mine = slice(rank * 4, (rank + 1) * 4)
+        local = [t[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
+        out, _ = ulysses(module, *local, None)
+        out.backward(grad_out[:, mine])
+        results.append({"out": out.detach(), "ref_out": ref_out.detach()[:, mine], "heads_here": seen[0],
+                        "grads": [t.grad for t in local], "ref_grads": [t.grad[:, :, mine] for t in ref_in]})
     return results

@@ -184,3 +184,37 @@ def refusals() -> list[str]:
             messages.append(str(error))
     dist.barrier()  # no rank may leave while another is still inside a collective
     return messages
+
+
+def deepspeed_exchange() -> dict[str, Any]:
+    """DeepSpeed 0.19.8's low-level exchange with head counts the group does not divide, on 2
+    ranks: `_SeqAllToAll.apply` with its 10th argument `num_kv_heads` (absent, or the key/value
+    count a query tensor's split follows), `single_all_to_all` and `uneven_heads_all2all`; each
+    scatter, then the gather back from the uneven local heads. And the heads DistributedAttention's
+    local attention sees for 6 query over 3 key/value heads."""
+    from zeroshard.sequence.layer import single_all_to_all, uneven_heads_all2all
+
+    group = comm.world_group()
+    p, r = group.size, group.rank
+    out: dict[str, Any] = {}
+    for label, heads, kv in (("3 heads", 3, None), ("7 heads", 7, None), ("6 over kv 3", 6, 3)):
+        full = torch.arange(2 * 4 * p * heads * 5, dtype=torch.float32).view(2, 4 * p, heads, 5).requires_grad_(True)
+        mine = full[:, 4 * r : 4 * (r + 1)]
+        gathered = _SeqAllToAll.apply(group, mine, 2, 0, 0, None, None, None, True, kv)
+        back = _SeqAllToAll.apply(group, gathered, 0, 2, 0, None, None, None, False, kv)
+        via_single = single_all_to_all(mine, 2, 0, 0, group, num_kv_heads=kv if kv else heads)
+        via_uneven = uneven_heads_all2all(mine, 2, 0, 0, group, kv if kv else heads)
+        back.sum().backward()  # the exchange is differentiable: every element's gradient is 1
+        out[label] = {"gathered": gathered.detach(), "full": full.detach(), "back_is_input": torch.equal(back, mine),
+                      "single": torch.equal(via_single, gathered), "uneven": torch.equal(via_uneven, gathered),
+                      "grad_ones": torch.equal(full.grad[:, 4 * r : 4 * (r + 1)], torch.ones_like(mine))}
+    seen = []
+
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seen.append((q.shape[2], k.shape[2]))
+        return _sdpa(0)(q, k, v)
+
+    x, kv_x = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 3, 8)
+    DistributedAttention(recording, group)(x, kv_x, kv_x, 0)
+    out["attention_heads"] = seen[0]
+    return out

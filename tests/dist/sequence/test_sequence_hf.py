@@ -12,7 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.scenarios.sequence_hf import adapter, equality, eval_and_paths, hub_kernel, padded_alst, refusals
+from tests.dist.scenarios.sequence_hf import (
+    adapter,
+    attention_level,
+    equality,
+    eval_and_paths,
+    hub_kernel,
+    padded_alst,
+    refusals,
+)
 
 TIMEOUT_S = 600
 # fp32. The same per-head attention on the same numbers; what differs is how heads are batched
@@ -21,7 +29,8 @@ TIMEOUT_S = 600
 ATOL, RTOL = 2e-5, 1e-4
 
 CASES = {
-    2: [("sdpa", 4, 2, 2), ("eager", 4, 2, 2), ("sdpa", 4, 1, 2), ("eager", 2, 2, 2)],
+    2: [("sdpa", 4, 2, 2), ("eager", 4, 2, 2), ("sdpa", 4, 1, 2), ("eager", 2, 2, 2),
+        ("sdpa", 3, 3, 2), ("eager", 6, 3, 2)],  # head counts 2 does not divide (issue 42 item 2)
     4: [("sdpa", 4, 2, 4), ("eager", 4, 2, 4), ("sdpa", 8, 8, 4), ("sdpa", 4, 2, 2), ("eager", 4, 4, 2)],
 }
 
@@ -78,9 +87,9 @@ def test_eval_path_registry_and_refusals(dist_pool) -> None:
         # DeepSpeed 0.19's wording (its test matches "does not match model config attn_implementation").
         assert "core_attn_implementation='eager' does not match model config attn_implementation='sdpa'" in (
             messages[0]), messages
-        assert "num_attention_heads=3 is not divisible by sequence_parallel_size=2" in messages[1], messages
-        assert "num_key_value_heads=3 and sequence_parallel_size=2 must divide one another" in messages[2], messages
-        assert "seq_length=7 is not divisible by sequence_parallel_size=2" in messages[3], messages
+        # Head counts 2 does not divide now split unevenly (test_uneven_heads_equal_whole_attention).
+        assert "num_attention_heads=1 is less than sequence_parallel_size=2" in messages[1], messages
+        assert "seq_length=7 is not divisible by sequence_parallel_size=2" in messages[2], messages
 
 
 def test_data_loader_adapter(dist_pool) -> None:
@@ -102,3 +111,27 @@ def test_data_loader_adapter(dist_pool) -> None:
             assert torch.equal(batch["input_ids"], full_ids[:, mine]), (rank, batch)
             assert torch.equal(batch["shift_labels"], full_labels[:, mine]), (rank, batch)
             assert torch.equal(batch["position_ids"], torch.arange(8).expand(2, 8)[:, mine]), (rank, batch)
+
+
+# (heads, kv_heads) over 2 ranks and the query heads DeepSpeed's split gives rank 0 and rank 1:
+# by key/value group, the first ranks one group more.
+UNEVEN = {(3, 3): [2, 1], (7, 7): [4, 3], (6, 3): [4, 2], (6, 1): [3, 3]}
+
+
+def test_uneven_heads_equal_whole_attention(dist_pool) -> None:
+    """UlyssesSPAttentionHF with head counts the sequence-parallel size does not divide (3 or 7
+    heads, 6 query heads over 3 key/value heads, and one key/value head for two ranks) equals
+    transformers' sdpa attention on the whole sequence, output and gradients, fp32 within 1e-6
+    (the same per-head attention on the same numbers; gradients of a key/value head shared by
+    several query heads are summed in another order). Before: refused ("num_attention_heads=3 is
+    not divisible by sequence_parallel_size=2")."""
+    cases = list(UNEVEN)
+    for rank, results in enumerate(dist_pool(2).run(attention_level, cases, timeout=TIMEOUT_S)):
+        for case, result in zip(cases, results, strict=True):
+            label = f"rank {rank}: (heads, kv_heads) = {case}"
+            assert result["heads_here"] == UNEVEN[case][rank], (label, result["heads_here"])
+            torch.testing.assert_close(result["out"], result["ref_out"], atol=1e-6, rtol=1e-6,
+                                       msg=lambda m, s=label: f"{s}: output: {m}")
+            for name, mine, ref in zip("qkv", result["grads"], result["ref_grads"], strict=True):
+                torch.testing.assert_close(mine, ref, atol=1e-6, rtol=1e-6,
+                                           msg=lambda m, n=name, s=label: f"{s}: d{n}: {m}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.scenarios.sequence_layer import AttentionCase, attention, refusals, round_trip
+from tests.dist.scenarios.sequence_layer import AttentionCase, attention, deepspeed_exchange, refusals, round_trip
 
 TIMEOUT_S = 300
 # fp32: the distributed run computes each head's attention on the same numbers as the
@@ -40,6 +40,8 @@ ATTENTION = {
         AttentionCase(4, 2, batch_dim_idx=1, rotary=True),
         AttentionCase(5, 5, sp_stream=True),
         AttentionCase(4, 1, batch_dim_idx=1, sp_stream=True, rotary=True),
+        AttentionCase(6, 3),  # DeepSpeed's split by key/value group: 4 + 2 query, 2 + 1 key/value heads
+        AttentionCase(7, 7, batch_dim_idx=1),  # 4 + 3
     ],
     4: [
         AttentionCase(8, 8),
@@ -89,3 +91,25 @@ def test_refusals(dist_pool) -> None:
         assert "1 attention heads cannot be split over 2 sequence-parallel ranks" in messages[0], messages
         assert "num_kv_heads=3, but key has 1 heads" in messages[1], messages
         assert "batch_dim_idx=2: must be 0" in messages[2], messages
+
+
+# DeepSpeed 0.19.8's split over 2 ranks: by key/value group (one group per head without a count).
+DEEPSPEED_SPLIT = {"3 heads": [2, 1], "7 heads": [4, 3], "6 over kv 3": [4, 2]}
+
+
+def test_deepspeed_low_level_exchange_with_uneven_heads(dist_pool) -> None:
+    """`_SeqAllToAll.apply(..., num_kv_heads)`, `single_all_to_all` and `uneven_heads_all2all`
+    (DeepSpeed's names and arguments) with 3 and 7 heads, and 6 query heads split by 3 key/value
+    groups, on 2 ranks: each rank gets DeepSpeed's share of the heads over the whole sequence,
+    element for element; the gather back from the uneven local heads gives the input (before:
+    "the ranks hold different shapes"); gradients come back through both exchanges. And
+    DistributedAttention's local attention sees 4 + 2 query and 2 + 1 key/value heads."""
+    runs = dist_pool(2).run(deepspeed_exchange, timeout=TIMEOUT_S)
+    for rank, out in enumerate(runs):
+        for label, counts in DEEPSPEED_SPLIT.items():
+            got = out[label]
+            first = sum(counts[:rank])
+            expected = got["full"][:, :, first : first + counts[rank]]
+            assert torch.equal(got["gathered"], expected), (rank, label)
+            assert got["back_is_input"] and got["single"] and got["uneven"] and got["grad_ones"], (rank, label, got)
+        assert out["attention_heads"] == [(4, 2), (2, 1)][rank], (rank, out["attention_heads"])

@@ -49,6 +49,8 @@ def test_supported_keys_and_deepspeeds_batch_convention():
     ({"autotp_size": 2}, {"zeroshard": {"shard_group_size": 2}}, r"with zeroshard.shard_group_size=2: hybrid"),
     ({"autotp_size": 2}, {"optimizer": {"type": "Muon", "params": {"lr": 0.01}}}, r"optimizer.type='Muon': Muon"),
     ({"autotp_size": 2, "unknown_key": 1}, {}, r"tensor_parallel.unknown_key: unknown key"),
+    ({"autotp_size": 2}, {"zeroshard": {"fp8": {"enabled": True, "emulate": True}}, "bf16": {"enabled": True}},
+     r"with zeroshard.fp8.enabled: fp8 compute swaps whole nn.Linear"),
 ])
 def test_refusals_name_the_key(section, extra, message):
     with pytest.raises(ConfigError, match=message):

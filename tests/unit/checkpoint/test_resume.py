@@ -144,3 +144,50 @@ def test_a_signal_in_one_process_saves_and_exits_with_the_configured_status(tmp_
     assert stop.value.code == 75 and engine.global_steps == 2
     assert (tmp_path / "latest").read_text().strip() == "preempted"
     assert find_complete(tmp_path) == (["preempted"], [])
+
+
+@pytest.fixture
+def _slow_writer():
+    """The asynchronous writer takes 0.3 s to start: a reader that does not wait for it sees the
+    previous checkpoint (on main, resume_latest did; load_checkpoint waited)."""
+    import time
+
+    from zeroshard.checkpoint import async_save
+
+    def hold(point: str, rank: int) -> None:
+        if point == "start":
+            time.sleep(0.3)
+
+    async_save.WRITER_HOOK = hold
+    yield
+    async_save.WRITER_HOOK = None
+
+
+def test_readers_wait_for_a_pending_asynchronous_save(tmp_path, _slow_writer):
+    """resume_latest (as load_checkpoint) and the one-rank readers (the fp32 consolidation,
+    DeepSpeed's zero_to_fp32) read global_step4, saved asynchronously just before, not the
+    global_step2 that `latest` named while the writer was still at work."""
+    import torch
+
+    from zeroshard.checkpoint import consolidate_fp32
+    from zeroshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    engine = _engine()
+    train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path / "step2")
+    train(engine, 2, 4)
+    saved = snapshot(engine)
+    step4 = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    readers = {"consolidate_fp32": consolidate_fp32, "zero_to_fp32": get_fp32_state_dict_from_zero_checkpoint}
+    for name, read in readers.items():
+        shutil.copytree(tmp_path / "step2", tmp_path / name)
+        engine.save_checkpoint(tmp_path / name, async_save=True)
+        state = read(tmp_path / name)
+        assert all(torch.equal(state[n], v) for n, v in step4.items()), name
+        engine.wait_for_checkpoint()
+    shutil.copytree(tmp_path / "step2", tmp_path / "resume")
+    engine.save_checkpoint(tmp_path / "resume", async_save=True)
+    resumed = _engine(seed=1)
+    path, _ = resumed.resume_latest(tmp_path / "resume")
+    assert path.endswith("global_step4"), path
+    assert_snapshots_equal(snapshot(resumed), saved, "resumed at global_step4")

@@ -1,6 +1,8 @@
 """MoE figures of AutoEP layers in one process: a tiny DeepSeek-V3 with aux-loss-free
 balancing. The load sums to tokens x k, nothing drops (dropless), and the bias norm is the
-norm of the router's bias buffer."""
+norm of the router's bias buffer. A forward under torch.no_grad() in train mode between
+backward and step feeds neither the balancer's counts nor the figures (only training forwards:
+train mode and grad enabled)."""
 
 from __future__ import annotations
 
@@ -25,9 +27,14 @@ def test_autoep_load_and_bias_norm():
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "expert_parallel": {"enabled": True, "autoep_size": 1, "load_balance_coeff": 1e-2}}
     engine, *_ = zeroshard.initialize(model=model, config=config, dist_init_required=False)
+    layers = [m for m in engine.module.modules() if getattr(m, "_is_autoep_layer", False)]
     for _ in range(STEPS):
         ids = torch.randint(0, 48, (BATCH, SEQ))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
+        counted = [layer.tokens_per_expert.clone() for layer in layers]
+        with torch.no_grad():  # train mode, no grad: not a training forward, counted nowhere
+            engine(input_ids=torch.randint(0, 48, (BATCH, SEQ)))
+        assert all(torch.equal(layer.tokens_per_expert, c) for layer, c in zip(layers, counted, strict=True))
         engine.step()
     figures = engine.figures.summary()
     layers = sorted({key.split("/")[1] for key in figures if key.startswith("moe/") and key.count("/") == 2})

@@ -209,3 +209,48 @@ def test_engine_refuses_qk_clip_with_a_user_optimizer():
     with pytest.raises(ValueError, match="qk_clip needs the engine's Muon"):
         zeroshard.initialize(model=model, optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1),
                              config=_clip_config())
+
+
+THRESHOLD = 0.035  # the tiny Llama's logits are 0.03-0.05: some heads clipped at every step
+
+
+def _llama_engine():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+    muon = {"lr": 0.02, "qk_clip": {"enabled": True, "threshold": THRESHOLD}}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Muon", "params": muon}}
+    engine, *_ = zeroshard.initialize(model=model, config=config, dist_init_required=False)
+    return engine
+
+
+def test_only_training_forwards_feed_the_clip():
+    """A forward under torch.no_grad() with the module in train mode (an evaluation that forgot
+    eval(), a generation) between backward and step does not change the step's S_max or the
+    clipped weights: bitwise the run without it (before: the extra batch's logits raised S_max
+    and the clip, and the weights differed)."""
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2, 8), generator=g) for _ in range(2)]
+    other = torch.randint(0, 64, (4, 16), generator=g)  # more positions: a larger maximum
+    runs = []
+    for with_eval in (False, True):
+        engine = _llama_engine()
+        for step, ids in enumerate(batches):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            if with_eval:
+                with torch.no_grad():  # train mode still on
+                    engine(input_ids=other)
+            engine.step()
+            if step == 0:
+                s_max = engine.qk_clip.last_max.clone()
+        runs.append((s_max, {n: p.detach().clone() for n, p in engine.module.named_parameters()}))
+    (plain_max, plain), (eval_max, evaluated) = runs
+    assert torch.equal(eval_max, plain_max), (eval_max, plain_max)
+    assert (plain_max > THRESHOLD).any(), "the threshold should clip something, or the check proves nothing"
+    for name, value in plain.items():
+        assert torch.equal(evaluated[name], value), name

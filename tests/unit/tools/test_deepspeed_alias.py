@@ -160,3 +160,40 @@ def test_the_migration_guides_commands_print_what_it_says(tmp_path: Path, capsys
     assert main([*uninstall_argv[1:], "--target", str(tmp_path)]) == 0
     check(capsys.readouterr().out, uninstall_out)
     assert list(tmp_path.iterdir()) == []  # the last command removed what the first installed
+
+
+def _checkout(root: Path) -> Path:
+    """A DeepSpeed source checkout's package folder (no dist-info: nothing installed)."""
+    (root / "deepspeed").mkdir(parents=True)
+    (root / "deepspeed" / "__init__.py").write_text("__version__ = '0.19.8'\n")
+    return root / "deepspeed"
+
+
+def test_a_checkout_that_would_shadow_the_alias_is_refused_and_named(tmp_path: Path, monkeypatch) -> None:
+    """A `deepspeed` folder earlier on sys.path than the target would be what `import deepspeed`
+    gets: install refuses, naming it (before: installed, and the checkout was imported). Later on
+    the path it is harmless."""
+    from zeroshard.tools.deepspeed_shadow import shadowed_alias
+
+    checkout, target = _checkout(tmp_path / "src"), tmp_path / "site"
+    target.mkdir()
+    monkeypatch.setattr(sys, "path", [str(checkout.parent), str(target), *sys.path])
+    with pytest.raises(AliasError, match=rf"{checkout} would be imported as `deepspeed` instead of the alias"):
+        install(target, scripts=tmp_path / "bin")
+    assert not (target / "deepspeed").exists()
+    monkeypatch.setattr(sys, "path", [str(target), str(checkout.parent), *sys.path[2:]])
+    install(target, scripts=tmp_path / "bin")
+    assert shadowed_alias([str(target), str(checkout.parent)]) is None
+    assert shadowed_alias([str(checkout.parent), str(target)]) == (checkout, target / "deepspeed")
+
+
+def test_import_zeroshard_warns_when_a_checkout_shadows_the_installed_alias(tmp_path: Path) -> None:
+    """The alias installed, then a checkout put first on PYTHONPATH (after the install, which could
+    not see it): `import zeroshard` warns, naming both paths."""
+    target = tmp_path / "site"
+    install(target, scripts=tmp_path / "bin")
+    checkout = _checkout(tmp_path / "src")
+    result = _python("import zeroshard", checkout.parent, target)
+    assert result.returncode == 0, result.stderr
+    assert f"`import deepspeed` finds {checkout} (earlier on sys.path" in result.stderr, result.stderr
+    assert f"not the zeroshard alias at {target / 'deepspeed'}" in result.stderr, result.stderr

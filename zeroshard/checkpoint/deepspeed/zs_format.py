@@ -118,6 +118,7 @@ def write_zeroshard(state: PortableState, save_dir: str | os.PathLike, tag: str,
         "frozen_params": describe(state.frozen), "buffers": describe(state.buffers),
         "state_dict_keys": state.module_keys, "autoep": {}, "flats": flats,
         "counters": {"global_steps": state.global_steps, "micro_steps": state.global_steps * _accumulation(state),
+                     "gradient_accumulation_steps": _accumulation(state),
                      "skipped_steps": state.skipped_steps, "global_samples": state.global_samples},
         "optimizer": {"class": state.optimizer_class, "param_groups": [json_hyper(h) for h in state.hyper]},
         "loss_scaler": state.loss_scaler, "lr_scheduler": scheduler_entry, "data_sampler": None,
@@ -149,6 +150,9 @@ def _entry(reader: CheckpointReader, entry: dict[str, Any] | None, key: str, all
 
 def read_zeroshard(ckpt_dir: str | os.PathLike, tag: str | None = None, allow_pickle: bool = False) -> PortableState:
     """Any zeroshard checkpoint (a save directory or a tag directory) as whole tensors."""
+    from zeroshard.checkpoint.async_save import join_writer
+
+    join_writer()  # a save this process is still writing is read once complete
     tag_dir = resolve_checkpoint_dir(ckpt_dir, tag)
     with CheckpointReader(tag_dir) as reader:
         index = reader.index

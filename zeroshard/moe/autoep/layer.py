@@ -372,7 +372,9 @@ class AutoEPMoELayer(nn.Module):
                 "set_deepspeed_parallelism() (zeroshard.initialize does) before the forward."
             )
         _, weights, selected = self.router(tokens)
-        if self.count_tokens and self.training:  # evaluation forwards do not steer the balance
+        # Only training forwards (train mode, grad enabled) steer the balance: an evaluation, in
+        # eval() or under torch.no_grad(), must not move the next step's bias (docs/moe.md).
+        if self.count_tokens and self.training and torch.is_grad_enabled():
             counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts).float()
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
         group = self.expert_group if self.ep_size > 1 else None

@@ -107,15 +107,25 @@ def max_logits(
     return best
 
 
+def _watched_training_forward(module: nn.Module) -> bool:
+    """QK-clip watches `module` and this is a training forward: the module in train mode and
+    grad enabled (docs/muon.md). A forward under torch.no_grad() in train mode (an evaluation
+    that forgot eval(), a generation) must not move the next step's clip; under reentrant
+    activation checkpointing the logits are recorded by the recomputation, which sees the same
+    ones (the first forward runs without grad), and recording them twice changes no maximum."""
+    return getattr(module, RECORDER_ATTR, None) is not None and module.training and torch.is_grad_enabled()
+
+
 def record_logits(
     module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None = None,
     attention_mask: torch.Tensor | None = None, is_causal: bool = False,
 ) -> None:
-    """Record a training forward's logits of `module` (a no-op unless QK-clip watches it).
-    Custom attention modules call this with the query and key their attention uses."""
-    recorder = getattr(module, RECORDER_ATTR, None)
-    if recorder is None or not module.training:
+    """Record a training forward's logits of `module` (a no-op unless QK-clip watches it and the
+    forward is a training one: train mode, grad enabled). Custom attention modules call this
+    with the query and key their attention uses."""
+    if not _watched_training_forward(module):
         return
+    recorder = getattr(module, RECORDER_ATTR)
     recorder.observe(max_logits(query, key, scaling, attention_mask, is_causal))
 
 
@@ -132,7 +142,7 @@ def _wrap(attention: Callable, sdpa: bool) -> Callable:
 
     @functools.wraps(attention)
     def attention_with_logit_max(module, query, key, value, attention_mask, *args, **kwargs):
-        if getattr(module, RECORDER_ATTR, None) is not None and module.training:
+        if _watched_training_forward(module):
             scaling = kwargs.get("scaling")
             causal = _sdpa_causal(module, query, attention_mask, kwargs) if sdpa else False
             record_logits(module, query, key, scaling, attention_mask, causal)
