@@ -3,7 +3,13 @@
 # model benchmark on one device, one row each; results in OUTDIR/gpu_check.json (rewritten after
 # every row) and OUTDIR/gpu_check.txt (the table, printed last). See docs/benchmarks.md.
 #
-#   bash scripts/gpu_check.sh OUTDIR [--device cuda|cpu] [--quick]
+#   bash scripts/gpu_check.sh OUTDIR [--device cuda|cpu] [--quick] [--simulated] [--only PREFIXES]
+#   bash scripts/gpu_check.sh OUTDIR [--device cuda|cpu] --nproc N     # world N: one process per GPU
+#
+# --nproc N (N > 1) runs benchmarks/gpu_check/multi.py under torchrun: the conformance matrix at
+# world N (NCCL; gloo with --device cpu) and the model benchmark (zeroshard stages 0-3, DDP, FSDP2;
+# tokens/s per GPU, peak memory, exposed communication). --simulated adds the simulated scaling
+# rows (h/: zeroshard simulate, benchmarks/simulate_scale.py's grid) to the one-device check.
 #
 # With a .whl/ folder in the repository root (scripts/gpu_wheels.sh fills it), its wheels are
 # installed first with no network into $GPU_CHECK_SITE (default /tmp/site), put ahead on
@@ -12,7 +18,7 @@
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 if [ $# -lt 1 ]; then
-    echo "usage: bash scripts/gpu_check.sh OUTDIR [--device cuda|cpu] [--quick]" >&2
+    echo "usage: bash scripts/gpu_check.sh OUTDIR [--device cuda|cpu] [--quick] [--simulated] [--nproc N]" >&2
     exit 2
 fi
 OUT=$1
@@ -29,4 +35,21 @@ if [ -z "${GPU_CHECK_NO_WHEELS:-}" ] && ls "$REPO"/.whl/*.whl >/dev/null 2>&1; t
 fi
 export PYTHONPATH="${EXTRA}${REPO}${PYTHONPATH:+:$PYTHONPATH}"
 cd "$REPO"
-exec "$PY" -m benchmarks.gpu_check "$OUT" "$@"
+NPROC=1
+ARGS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --nproc) NPROC=${2:?--nproc needs a number}; shift 2 ;;
+        --nproc=*) NPROC=${1#--nproc=}; shift ;;
+        *) ARGS+=("$1"); shift ;;
+    esac
+done
+if ! [ "$NPROC" -ge 1 ] 2>/dev/null; then
+    echo "gpu_check.sh: --nproc $NPROC: a positive number of processes" >&2
+    exit 2
+fi
+if [ "$NPROC" -gt 1 ]; then
+    exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m benchmarks.gpu_check.multi "$OUT" \
+        ${ARGS[@]+"${ARGS[@]}"}
+fi
+exec "$PY" -m benchmarks.gpu_check "$OUT" ${ARGS[@]+"${ARGS[@]}"}

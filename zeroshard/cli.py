@@ -1,4 +1,5 @@
-"""The `zeroshard` command: explain (zeroshard.tools.explain), demo, to-fp32 (zeroshard.checkpoint),
+"""The `zeroshard` command: explain (zeroshard.tools.explain), simulate (zeroshard.tools.simulate), demo,
+to-fp32 (zeroshard.checkpoint),
 from-deepspeed / to-deepspeed (zeroshard.checkpoint.deepspeed), report (zeroshard.tools.report),
 launch (zeroshard.launch.torchrun), install-deepspeed-alias (zeroshard.tools.deepspeed_alias).
 
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     alias.add_argument("--target", metavar="DIR", help="install into DIR instead of this environment's site-packages")
     alias.add_argument("--uninstall", action="store_true", help="remove the alias")
     alias.set_defaults(handler=_run_install_deepspeed_alias)
+    from zeroshard.tools.simulate import add_command as add_simulate_command
+
+    add_simulate_command(sub, _positive_int)
     sub.add_parser(
         "launch",
         help="run a training script with torchrun (see `zeroshard launch --help`)",

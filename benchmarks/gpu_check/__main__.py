@@ -72,12 +72,47 @@ def autotp_row(device: torch.device, outdir: Path) -> dict:
     return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": result.stdout.strip().splitlines()[-4:]}, ""
 
 
+def simulated_rows(row, device: torch.device) -> None:
+    """Check h: zeroshard simulate's scaling grid (benchmarks/simulate_scale.py; on the CPU its first
+    row), zeroshard beside FSDP2, and the world-1 row against a real world-1 run (within 10%)."""
+    from benchmarks import simulate_scale
+
+    grid = simulate_scale.GRIDS["gpu" if device.type == "cuda" else "cpu"]
+    if device.type != "cuda":
+        grid = grid[:1]
+    for model, overrides, world, stage, seq in grid:
+        for engine in ("zeroshard", "fsdp2"):
+            def check(m=model, o=overrides, w=world, s=stage, q=seq, e=engine):
+                report = simulate_scale.run_row(m, o, w, s, q, e, device.type, steps=3)
+                if "error" in report:
+                    return "FAIL", {}, report["error"]
+                fabrics = {f["name"]: f for f in report["fabrics"]}
+                return {"simulated": True, "states_gib": report["model_states_bytes"]["total"] / 2**30,
+                        "peak_alloc_gib": report["peak_device_allocated_bytes"] / 2**30,
+                        "compute_step_s": report["compute_step_s"],
+                        **{f"exposed_{n}_s": fabrics[n]["exposed_comm_s"] for n in fabrics},
+                        **{f"modelled_{n}_s": fabrics[n]["modelled_comm_s"] for n in fabrics}}
+
+            row(f"h/simulated {model} W={world} s{stage} {engine}", check, 300)
+    model, overrides, _, stage, seq = grid[0]
+
+    def world_one():
+        numbers = simulate_scale.world_one(model, overrides, stage, seq, device.type, steps=3)
+        if device.type == "cuda" and abs(numbers["ratio"] - 1) > 0.10:
+            return "FAIL", numbers, f"simulated world-1 compute step {numbers['ratio']:.3f}x the real world-1 step"
+        return numbers
+
+    row(f"h/simulated {model} world-1 vs real", world_one, 300)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__)
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="the exploratory run: a 30 s model benchmark")
     parser.add_argument("--only", default="", help="comma-separated row-name prefixes to run (debugging)")
+    parser.add_argument("--simulated", action="store_true",
+                        help="add the simulated scaling rows (h/, zeroshard simulate; ~10 min on an H200)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but no CUDA device is available", file=sys.stderr)
@@ -91,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick, "argv": sys.argv,
     }
     report = Report(args.outdir, meta)
-    init_group(device)
     only = [p for p in args.only.split(",") if p]
     started = time.perf_counter()
 
@@ -99,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         if only and not any(name.startswith(p) for p in only):
             return None
         return report.run(name, check, budget)
+
+    if args.simulated:  # before the group of one: a simulated world needs the default group to itself
+        simulated_rows(row, device)
+    init_group(device)
 
     from benchmarks.gpu_check import conformance, model_bench, numerics, syncs
 
@@ -118,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     row("e/autoep mixtral vs cpu", lambda: numerics.autoep_layer(device), 90)
     row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 200 if not args.quick else 130)
     row("f/muon_step", lambda: muon_row(device, args.outdir), 160)
-    row("g/autotp tp2 conformance (gloo)", lambda: autotp_row(device, args.outdir), 180)
+    row("i/autotp tp2 conformance (gloo)", lambda: autotp_row(device, args.outdir), 180)
 
     from benchmarks.gpu_check import fp8
 

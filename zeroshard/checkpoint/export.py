@@ -24,6 +24,7 @@ from zeroshard.checkpoint.frozen import frozen_state, moe_expert_places, whole_b
 from zeroshard.checkpoint.names import state_dict_keys
 from zeroshard.checkpoint.save import module_names
 from zeroshard.checkpoint.sync import agree
+from zeroshard.comm.simulated import refuse_in_simulation
 from zeroshard.moe.autoep.export import hf_layouts, to_hf_state_dict
 
 
@@ -162,6 +163,7 @@ def save_16bit_model(
     Returns:
         The written file's path (on every rank).
     """
+    refuse_in_simulation("save_16bit_model")
     path = Path(save_dir) / save_filename
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     error: BaseException | None = None

@@ -60,6 +60,7 @@ from zeroshard.checkpoint.write import (
     write_rank0_files,
     write_rank_file,
 )
+from zeroshard.comm.simulated import refuse_in_simulation
 from zeroshard.moe.autoep.export import hf_layouts
 from zeroshard.sharding.ranges import overlap
 
@@ -483,6 +484,7 @@ def save_checkpoint(
     Returns:
         The checkpoint's directory.
     """
+    refuse_in_simulation("save_checkpoint")
     if save_dir is None or os.fspath(save_dir) == "":
         # Path("") is the working directory: DeepSpeed 0.19 refuses it rather than write there.
         raise CheckpointError(

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import compat as _compat
-from zeroshard.comm import faults
+from zeroshard.comm import faults, simulated
 
 __all__ = [
     "Group",
@@ -61,7 +61,8 @@ def set_timeout(group: Group, seconds: float) -> None:
     """Make `seconds` the timeout of `group`'s collectives (a group this process already has)."""
     global _timeout_s
     _timeout_s = seconds
-    if group.handle is not None:
+    # A simulated group never waits for a peer (zeroshard/comm/simulated.py): no timeout to set.
+    if group.handle is not None and not simulated.is_simulated(group.handle):
         _compat.set_group_timeout(group.handle, timedelta(seconds=seconds))
 
 
@@ -177,10 +178,13 @@ def new_group(members: tuple[int, ...], world: Group, timeout_s: float | None = 
 
 def backend_name(group: Group) -> str:
     """The backend `group`'s collectives run on ("nccl", "gloo", ...); "" for a group of one
-    (no collective runs)."""
+    (no collective runs). A simulated group answers for the backend it stands in for, "nccl"
+    on CUDA and "gloo" on the CPU (zeroshard/comm/simulated.py), so the engine makes the choices
+    it would make on real ranks (bucket sizes, gloo's reduce-scatter as an all-reduce)."""
     if group.handle is None:
         return ""
-    return str(dist.get_backend(group.handle))
+    emulated = simulated.emulated_backend(group.handle)
+    return emulated if emulated is not None else str(dist.get_backend(group.handle))
 
 
 def _check(group: Group) -> Group:
@@ -337,7 +341,7 @@ def _reduce_scatter_runs_as_all_reduce(group: Group) -> bool:
     took 1.1-2.4x as long at 0.2-10 M elements on 2 ranks (benchmarks/collectives.py,
     docs/benchmarks.md).
     NCCL's reduce-scatter moves half the bytes of its all-reduce, so it is used there."""
-    return dist.get_backend(group.handle) == "gloo"
+    return backend_name(group) == "gloo"
 
 
 def reduce_scatter(

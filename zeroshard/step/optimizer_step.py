@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zeroshard.comm import collectives as comm
-from zeroshard.comm import faults
+from zeroshard.comm import faults, simulated
 from zeroshard.precision.loss_scale import LossScaler
 from zeroshard.sharding.flat import FlatParamGroup
 from zeroshard.sharding.layout import PLACEMENTS, ParallelLayout
@@ -224,7 +224,10 @@ class OptimizerStep:
         packed[1 + 2 * size + world.rank].fill_(position[1] % _EXACT)
         if self.stop_vote():  # the last slot: how many ranks were asked to stop (preempt.py)
             packed[1 + 3 * size].fill_(1.0)
+        own = packed.clone() if simulated.is_simulated(world) else None
         comm.all_reduce(packed, group=world, tag="norm")
+        if own is not None:
+            packed = _peers_stand_in(packed, own, world)
         # The step's one host read (see run's note; docs/gpu-streams.md). The GPU check's
         # host-sync row allows exactly this one per step (benchmarks/gpu_check/syncs.py).
         values = packed.tolist()
@@ -235,6 +238,21 @@ class OptimizerStep:
         faults.check_positions(world.ranks, values[size : 2 * size], values[2 * size : 3 * size])
         flags = values[:size]
         return norm, finite, tuple(world.ranks[i] for i, flag in enumerate(flags) if flag != 0)
+
+
+def _peers_stand_in(packed: torch.Tensor, own: torch.Tensor, world: comm.Group) -> torch.Tensor:
+    """The packed all-reduce's answer in a simulated world, where no peer exists
+    (zeroshard/comm/simulated.py's note): every rank reported this rank's step and position
+    (so the desync check compares this rank with itself), only this rank is named when its
+    gradient is not finite (the others were never computed), and the norm and the stop count
+    are the backend's stand-in sum (every rank a replica of this one)."""
+    size = world.size
+    answer = packed.clone()
+    answer[1 : 1 + size].zero_()
+    answer[1 + world.rank] = own[1 + world.rank]
+    for base in (1 + size, 1 + 2 * size):
+        answer[base : base + size] = own[base + world.rank]
+    return answer
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

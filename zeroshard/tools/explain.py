@@ -50,18 +50,20 @@ class UsageError(Exception):
 
 
 def preset_names() -> list[str]:
+    """Every model preset (zeroshard/models/presets.py's table)."""
     try:
-        from zeroshard.models import PRESETS
+        from zeroshard.models import preset_names as names
     except ImportError:
         return []
-    return list(PRESETS)
+    return names()
 
 
 def build_model_on_meta(spec: str) -> Any:
     """Build ``spec`` on the meta device: shapes without memory.
 
     Args:
-        spec: a demo preset name (``tiny``, ``small``, ``gpt2-124m``, ...) or ``module:factory``,
+        spec: a model preset (``tiny``, ``1b``, ``8b``, ``70b``, ``moonlight-16b-a3b``, ...: zeroshard.models)
+            or ``module:factory``,
             where ``factory()`` (a function or class, called without arguments) returns an
             ``nn.Module``.
 
@@ -82,16 +84,16 @@ def build_model_on_meta(spec: str) -> Any:
         build: Callable[[], Any] = factory
     else:
         try:
-            from zeroshard.models import GPT, PRESETS
+            from zeroshard.models import build_model
         except ImportError as exc:
-            raise UsageError(f"--model {spec}: the demo model presets are unavailable ({exc}).") from None
-        if spec not in PRESETS:
+            raise UsageError(f"--model {spec}: the model presets are unavailable ({exc}).") from None
+        if spec not in preset_names():
             raise UsageError(
-                f"--model {spec}: unknown preset; use one of {', '.join(PRESETS)}, or module:factory."
+                f"--model {spec}: unknown preset; use one of {', '.join(preset_names())}, or module:factory."
             )
 
         def build() -> Any:
-            return GPT(PRESETS[spec])
+            return build_model(spec)
 
     with torch.device("meta"):
         model = build()

@@ -49,3 +49,23 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     cfg = tiny.config
     expected = 6 * (tiny.num_params() - tiny.wpe.weight.numel()) + 12 * cfg.n_layer * cfg.n_embd * 64
     assert {r["name"]: r["numbers"]["flops_token"] for r in model_rows} == {r["name"]: expected for r in model_rows}
+
+
+def test_gpu_check_at_world_2_runs_on_cpu(tmp_path):
+    """`--nproc 2` (benchmarks/gpu_check/multi.py under torchrun, gloo): a conformance cell at
+    world 2 against the single-process reference, and a model row whose exposed communication
+    is its step minus its own rank's simulated compute step. The full matrix at world 2 on the
+    CPU is tests/dist/engine/test_conformance.py's; here the script's own code is kept running."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, GPU_CHECK_NO_WHEELS="1")
+    env["PYTHONPATH"] = str(ROOT)
+    only = "a/conformance s3,f/model tiny zeroshard-s3"
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--device", "cpu",
+                             "--nproc", "2", "--only", only], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]}
+    assert sorted(rows) == ["a/conformance s3 fp32 @2", "f/model tiny zeroshard-s3 @2"], sorted(rows)
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    model = rows["f/model tiny zeroshard-s3 @2"]["numbers"]
+    assert model["tokens_s_per_gpu"] > 0 and isinstance(model["exposed_comm_s"], float)
+    assert (tmp_path / "gpu_check.txt").read_text().startswith("check")
