@@ -1,7 +1,8 @@
 """AutoTP under ZeRO on gloo, world 4 = tensor 2 x data 2 (tests/dist/scenarios/autotp.py):
 tiny Hugging Face Llama (grouped-query attention: 4 heads, 2 key-value heads) in fp32 and Qwen3
 (q_norm/k_norm summed over the tensor group) in bf16, stages 0-3, gradient accumulation 2,
-against a single-process run of the unsplit model that does the same casts by hand. One pool
+against a single-process run of the unsplit model that does the same casts by hand; Llama fp32
+with optimizer offload (stage 2) and parameter offload (stage 3) as well. One pool
 run holds every world-4 case; a second (world 2) resumes the checkpoint at tensor 2 x data 1.
 The other (model, precision) pairs and longer runs: benchmarks/autotp_conformance.py.
 
@@ -31,9 +32,10 @@ BF16_FIRST_LOSS = 2e-3
 BF16_FIRST_NORM = 0.02
 BF16_LATER = 1e-2
 TIMEOUT_S = 600
-CASES = [("llama", "fp32", stage, False) for stage in range(4)]
-CASES += [("qwen3", "bf16", stage, False) for stage in range(4)]
-CASES.append(("llama", "fp32", 2, True))  # optimizer offload: masters and AdamW state on the host
+CASES = [("llama", "fp32", stage, "") for stage in range(4)]
+CASES += [("qwen3", "bf16", stage, "") for stage in range(4)]
+CASES.append(("llama", "fp32", 2, "optimizer"))  # masters and AdamW state on the host
+CASES.append(("llama", "fp32", 3, "param"))  # stage 3: the parameters' shards on the host too
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def _close(got: list[float], want: list[float], tol: float) -> bool:
 @pytest.mark.parametrize("stage", range(4))
 def test_llama_fp32_equals_the_unsplit_model(world4, stage):
     for rank, out in enumerate(world4):
-        case = out["cases"][("llama", "fp32", stage, False)]
+        case = out["cases"][("llama", "fp32", stage, "")]
         ref = case["reference"]
         assert _close(case["losses"], ref["losses"], FP32_TOL), (rank, case["losses"], ref["losses"])
         assert _close(case["norms"], ref["norms"], FP32_TOL), (rank, case["norms"], ref["norms"])
@@ -69,16 +71,17 @@ def test_llama_fp32_equals_the_unsplit_model(world4, stage):
 @pytest.mark.parametrize("stage", range(4))
 def test_qwen3_bf16_within_bf16_rounding_of_the_unsplit_model(world4, stage):
     for rank, out in enumerate(world4):
-        case = out["cases"][("qwen3", "bf16", stage, False)]
+        case = out["cases"][("qwen3", "bf16", stage, "")]
         losses, norms, ref = case["losses"], case["norms"], case["reference"]
         assert abs(losses[0] - ref["losses"][0]) <= BF16_FIRST_LOSS, (rank, losses, ref["losses"])
         assert abs(norms[0] - ref["norms"][0]) <= BF16_FIRST_NORM * ref["norms"][0], (rank, norms, ref["norms"])
         assert _close(losses[1:], ref["losses"][1:], BF16_LATER), (rank, losses, ref["losses"])
 
 
-def test_optimizer_offload(world4):
+@pytest.mark.parametrize("stage, offload", [(2, "optimizer"), (3, "param")])
+def test_offload(world4, stage, offload):
     for rank, out in enumerate(world4):
-        case = out["cases"][("llama", "fp32", 2, True)]
+        case = out["cases"][("llama", "fp32", stage, offload)]
         ref = case["reference"]
         assert _close(case["losses"], ref["losses"], FP32_TOL) and _close(case["norms"], ref["norms"], FP32_TOL)
         assert case["weight_error"] <= FP32_TOL, (rank, case["weight_error"])
@@ -88,7 +91,7 @@ def test_to_fp32_assembles_the_pieces(world4, workdir):
     """`zeroshard to-fp32` (no process group) reads the tp 2 x dp 2 checkpoint as whole tensors."""
     from zeroshard.checkpoint import consolidate_fp32
 
-    want = world4[0]["cases"][("llama", "fp32", 2, False)]["checkpoint_reference"]
+    want = world4[0]["cases"][("llama", "fp32", 2, "")]["checkpoint_reference"]
     state = consolidate_fp32(os.path.join(workdir, "ckpt"), tag="tp")
     assert sorted(state) == sorted(want)
     for name, value in want.items():
@@ -119,7 +122,7 @@ def test_tensor_collectives_per_step(world4):
     for rank, out in enumerate(world4):
         group = (0, 1) if rank < 2 else (2, 3)
         for kind, precision, extra in (("llama", "fp32", 0), ("qwen3", "bf16", 2 * blocks)):
-            log = out["cases"][(kind, precision, 0, False)]["collectives"]
+            log = out["cases"][(kind, precision, 0, "")]["collectives"]
             tensor = [(tag, op, forward) for tag, op, ranks, forward in log if tag.startswith("tp.")]
             assert all(ranks == group for tag, _, ranks, _ in log if tag.startswith("tp.")), log
             assert Counter(tensor) == Counter({
@@ -133,14 +136,14 @@ def test_tensor_collectives_per_step(world4):
 def test_resume_at_tensor_1_data_4(world4):
     for rank, out in enumerate(world4):
         got = out["resume_tp1_dp4"]
-        ref = out["cases"][("llama", "fp32", 2, False)]["reference"]
+        ref = out["cases"][("llama", "fp32", 2, "")]["reference"]
         assert (got["tp"], got["dp"], got["step"]) == (1, 4, 3)
         assert got["loaded_error"] <= FP32_TOL and got["after_error"] <= FP32_TOL, (rank, got)
         assert abs(got["loss"] - ref["losses"][2]) <= FP32_TOL and abs(got["norm"] - ref["norms"][2]) <= FP32_TOL
 
 
 def test_resume_at_tensor_2_data_1(world4, world2):
-    ref = world4[0]["cases"][("llama", "fp32", 2, False)]["reference"]
+    ref = world4[0]["cases"][("llama", "fp32", 2, "")]["reference"]
     for rank, out in enumerate(world2):
         got = out["resume"]
         assert (got["tp"], got["dp"], got["step"]) == (2, 1, 3)
@@ -159,14 +162,14 @@ def test_deepspeed_autotp_checkpoint_resumes_at_its_layout(world2):
 
 
 def test_16bit_export_is_the_whole_model_and_from_pretrained_loads_it(world4):
-    case = world4[0]["cases"][("llama", "fp32", 3, False)]
+    case = world4[0]["cases"][("llama", "fp32", 3, "")]
     exported, loaded, want = case["export"]["state"], case["export"]["loaded"], case["export_reference"]
     assert sorted(exported) == sorted(want) == sorted(loaded)
     for name, value in exported.items():
         assert value.shape == want[name].shape, name  # whole, not a piece
         assert float((value - want[name]).abs().max()) <= FP32_TOL, name
         assert float((loaded[name] - value).abs().max()) == 0.0, name
-    assert all(out["cases"][("llama", "fp32", 3, False)]["export"] is None for out in world4[1:])
+    assert all(out["cases"][("llama", "fp32", 3, "")]["export"] is None for out in world4[1:])
 
 
 def test_different_inputs_on_a_tensor_group_are_refused_on_every_rank(world4):

@@ -38,13 +38,18 @@ def global_batch(step: int, micro: int, dp: int) -> torch.Tensor:
     return torch.cat([batch(step, micro, r) for r in range(dp)])
 
 
-def config(stage: int, precision: str, tp: int, gas: int, micro: int = MICRO, offload: bool = False,
+OFFLOAD = {"": {}, "optimizer": {"offload_optimizer": {"device": "cpu"}},
+           "param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+
+
+def config(stage: int, precision: str, tp: int, gas: int, micro: int = MICRO, offload: str = "",
            **extra: Any) -> dict[str, Any]:
+    """`offload`: "" none, "optimizer" (masters and AdamW state on the host), "param" (stage 3:
+    the parameters' shards on the host as well)."""
     cfg = {
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                              **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **OFFLOAD[offload]},
         "gradient_clipping": CLIP, "steps_per_print": 10**6,
         "tensor_parallel": {"autotp_size": tp},
         **extra,
@@ -134,7 +139,7 @@ def _weight_error(engine: Any, want: dict[str, torch.Tensor]) -> float:
 
 def train(kind: str, precision: str, stage: int, steps: int, gas: int, tp: int = 2, record: bool = False,
           save_dir: str | None = None, save_after: int | None = None,
-          offload: bool = False) -> tuple[Any, dict[str, Any]]:
+          offload: str = "") -> tuple[Any, dict[str, Any]]:
     """A zeroshard engine over the world: per-step global losses and norms, timings, and (with
     `record`) the collectives of the first micro-step by tag."""
     import zeroshard
@@ -228,15 +233,15 @@ def export(engine: Any, kind: str, out_dir: str) -> dict[str, Any] | None:
 # -------------------------------------------------------------------------------------- tasks
 
 
-def scenario(workdir: str, cases: list[tuple[str, str, int, bool]], steps: int = 2, gas: int = 2) -> dict[str, Any]:
-    """World 4 (tp 2 x dp 2): every (kind, precision, stage, optimizer offload) of `cases` against its
+def scenario(workdir: str, cases: list[tuple[str, str, int, str]], steps: int = 2, gas: int = 2) -> dict[str, Any]:
+    """World 4 (tp 2 x dp 2): every (kind, precision, stage, offload) of `cases` against its
     reference; the collectives of one step; a checkpoint of the llama fp32 stage-2 run resumed at
     tp 1 x dp 4 (stage 3); the 16-bit export; the input check."""
     cpu = time.process_time()
     refs = _references(sorted({(k, p) for k, p, _, _ in cases}), steps + 1, dp=2, gas=gas)
     out: dict[str, Any] = {"cases": {}}
     for kind, precision, stage, offload in cases:
-        resume_case = (kind, precision, stage, offload) == ("llama", "fp32", 2, False)
+        resume_case = (kind, precision, stage, offload) == ("llama", "fp32", 2, "")
         record = stage == 0
         engine, got = train(kind, precision, stage, steps + 1 if resume_case else steps, gas, record=record,
                             save_dir=os.path.join(workdir, "ckpt") if resume_case else None, save_after=steps,
@@ -244,7 +249,7 @@ def scenario(workdir: str, cases: list[tuple[str, str, int, bool]], steps: int =
         ref = refs[(kind, precision)]
         got["weight_error"] = _weight_error(engine, ref["weights"][len(got["losses"]) - 1])
         got["reference"] = {"losses": ref["losses"][: len(got["losses"])], "norms": ref["norms"][: len(got["norms"])]}
-        if (kind, precision, stage, offload) == ("llama", "fp32", 3, False):
+        if (kind, precision, stage, offload) == ("llama", "fp32", 3, ""):
             got["export"] = export(engine, kind, os.path.join(workdir, "export"))
             got["export_reference"] = ref["weights"][len(got["losses"]) - 1] if dist.get_rank() == 0 else None
         if resume_case and dist.get_rank() == 0:  # what the checkpoint holds: for `zeroshard to-fp32`
