@@ -26,7 +26,7 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     names = [r["name"] for r in rows]
     for prefix in ("a/conformance s3 fp16", "b/sync-debug s0", "c/newton-schulz", "d/offload s3", "e/moe layer",
                    "e/autoep", "f/matmul", "f/model plain", "f/model fsdp2", "f/model zeroshard-s3",
-                   "g/fp8 loss s3", "g/fp8 speed"):
+                   "g/fp8 loss s3", "g/fp8 speed", "i/autotp tp2 conformance"):
         assert any(n.startswith(prefix) for n in names), f"no row {prefix!r} in {names}"
     assert sum(n.startswith("a/conformance") for n in names) == 16
     # The reference on the device against the CPU (here CPU against CPU: the same kernels, zero).
