@@ -12,7 +12,9 @@ Two models, each trained by the engine (world 1, ZeRO-2, clipping 1.0; bf16 on a
   shared expert, first layer dense), built from a config; per-head through `per_head_muon`.
 
 Per model three rows, AdamW, Muon (whole matrices) and Muon per-head, each the median over
---steps timed optimizer steps (`engine.step()`, synchronised) after --warmup:
+--steps timed optimizer steps (`engine.step()`, synchronised) after --warmup; with --compile BACKEND
+two more, the Muon rows with Newton-Schulz compiled (`compile_newton_schulz`, what
+`engine.compile()` does; issue 40 item 4), with `x_eager`: their step_ms over the eager row's:
 - step_ms: the optimizer step; x_adamw: step_ms / AdamW's;
 - ns_ms: Newton-Schulz alone on this step's matrices, the owner's batches (same-shape blocks
   batched, as ShardedMuon does) timed on their own; ns_gflop: its FLOPs per step, 2 x the
@@ -115,7 +117,7 @@ def ns_flops(shapes: dict[tuple[int, int], int], method: str, steps: int = ns.DE
 
 
 def time_ns(shapes: dict[tuple[int, int], int], device: torch.device, dtype: torch.dtype, method: str,
-            repeats: int) -> float:
+            repeats: int, orthogonalize=ns.orthogonalize) -> float:
     """Median ms of one step's Newton-Schulz calls (one batched call per block shape)."""
     batches = [torch.randn(count, r, c, device=device) for (r, c), count in shapes.items()]
     samples = []
@@ -123,7 +125,7 @@ def time_ns(shapes: dict[tuple[int, int], int], device: torch.device, dtype: tor
         sync(device)
         start = time.perf_counter()
         for batch in batches:
-            ns.orthogonalize(batch, method=method, dtype=dtype)
+            orthogonalize(batch, ns.DEFAULT_NS_STEPS, method, dtype)
         sync(device)
         if i >= 2:
             samples.append((time.perf_counter() - start) * 1e3)
@@ -145,12 +147,16 @@ def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int, repeats: 
 
 
 def run_row(model_name: str, kind: str, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
-    model = MODELS[model_name](device, per_head=kind == "muon-per-head")
-    config = engine_config(kind, device, args.micro)
-    if kind == "muon-per-head" and model_name == "moe":
+    compiled = kind.endswith("-compiled")
+    base = kind.removesuffix("-compiled")
+    model = MODELS[model_name](device, per_head=base == "muon-per-head")
+    config = engine_config(base, device, args.micro)
+    if base == "muon-per-head" and model_name == "moe":
         config["optimizer"]["params"]["per_head_muon"] = True
         config["optimizer"]["params"]["per_head_muon_output"] = True
     engine, optimizer, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if compiled:  # Newton-Schulz only: the timed step is the optimizer's
+        optimizer.compile_newton_schulz(args.compile)
     gen = torch.Generator().manual_seed(0)
     step_ms = []
     for i in range(args.warmup + args.steps):
@@ -174,7 +180,7 @@ def run_row(model_name: str, kind: str, device: torch.device, args: argparse.Nam
         shapes = ns_tasks(optimizer)
         row.update({"ns_matrices": sum(shapes.values()), "ns_dtype": str(dtype).replace("torch.", ""),
                     "ns_gflop": ns_flops(shapes, group["ns_method"]) / 1e9,
-                    "ns_ms": time_ns(shapes, device, dtype, group["ns_method"], args.steps)})
+                    "ns_ms": time_ns(shapes, device, dtype, group["ns_method"], args.steps, optimizer.orthogonalize)})
         row["ns_gflops"] = row["ns_gflop"] / (row["ns_ms"] / 1e3)
     del engine, optimizer, model
     return row
@@ -190,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 64 on CPU, 512 on GPU)")
     parser.add_argument("--matmul-size", type=int, default=None, help="default 1024 on CPU, 8192 on GPU")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="also time Muon with Newton-Schulz compiled by this torch.compile backend")
     args = parser.parse_args(argv)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     on_gpu = device.type == "cuda"
@@ -198,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     init_group(device)
     rows = []
     for name in args.models.split(","):
-        for kind in ("adamw", "muon", "muon-per-head"):
+        compiled = ("muon-compiled", "muon-per-head-compiled") if args.compile else ()
+        for kind in ("adamw", "muon", "muon-per-head", *compiled):
             rows.append(run_row(name, kind, device, args))
             print(f"measured {name} {kind}: step {rows[-1]['step_ms']:.2f} ms", file=sys.stderr, flush=True)
     bounds: dict[str, float] = {}
@@ -210,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             row["of_bound"] = row["ns_gflops"] / bounds[row["ns_dtype"]]
         adamw = next(r for r in rows if r["model"] == row["model"] and r["optimizer"] == "adamw")
         row["x_adamw"] = row["step_ms"] / adamw["step_ms"]
+        if row["optimizer"].endswith("-compiled"):
+            eager = next(r for r in rows if r["model"] == row["model"]
+                         and r["optimizer"] == row["optimizer"].removesuffix("-compiled"))
+            row["x_eager"] = row["step_ms"] / eager["step_ms"]
     header = (f"{'model':6} {'optimizer':14} {'step_ms':>9} {'x_adamw':>8} {'ns_mats':>8} {'ns_ms':>8} "
               f"{'ns_gflop':>9} {'ns_gflops':>10} {'of_bound':>9}")
     print(f"device {device} ({torch.cuda.get_device_name(0) if on_gpu else platform.processor() or 'cpu'}), "
@@ -219,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         ns_part = (f"{r['ns_matrices']:>8} {r['ns_ms']:>8.2f} {r['ns_gflop']:>9.3f} {r['ns_gflops']:>10.1f} "
                    f"{r['of_bound']:>9.1%}" if "ns_ms" in r else f"{'-':>8} {'-':>8} {'-':>9} {'-':>10} {'-':>9}")
-        print(f"{r['model']:6} {r['optimizer']:14} {r['step_ms']:>9.2f} {r['x_adamw']:>8.2f} {ns_part}")
+        x_eager = f"  x_eager {r['x_eager']:.2f}" if "x_eager" in r else ""
+        print(f"{r['model']:6} {r['optimizer']:14} {r['step_ms']:>9.2f} {r['x_adamw']:>8.2f} {ns_part}{x_eager}")
     if args.json:
         args.json.write_text(json.dumps({"device": str(device), "torch": torch.__version__, "micro": args.micro,
                                          "seq": args.seq, "matmul_gflops": bounds, "rows": rows}, indent=1))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# zeroshard's GPU check (issue 25): conformance, host syncs, Newton-Schulz, offload, MoE and the
-# model benchmark on one device, one row each; results in OUTDIR/gpu_check.json (rewritten after
-# every row) and OUTDIR/gpu_check.txt (the table, printed last). See docs/benchmarks.md.
+# zeroshard's GPU check (issue 25): conformance, host syncs, Newton-Schulz, offload, MoE, the
+# model benchmark and the predicted memory peak (issue 39) on one device, one row each; results
+# in OUTDIR/gpu_check.json (rewritten after every row) and OUTDIR/gpu_check.txt (the table,
+# printed last). See docs/benchmarks.md.
 #
 #   bash scripts/gpu_check.sh OUTDIR [--device cuda|cpu] [--quick] [--simulated] [--only PREFIXES]
 #   bash scripts/gpu_check.sh OUTDIR [--device cuda|cpu] --nproc N     # world N: one process per GPU

@@ -34,7 +34,10 @@ def _positive_int(text: str) -> int:
 
 def _run_explain(args: argparse.Namespace) -> int:
     try:
-        data = explain_data(args.config, args.world_size, args.model, args.params)
+        data = explain_data(
+            args.config, args.world_size, args.model, args.params, hf_config=args.hf_config, seq=args.seq,
+            micro_batch=args.micro_batch, activation_checkpointing=args.activation_checkpointing, device=args.device,
+        )
     except ConfigError as exc:
         print(f"zeroshard explain: {args.config}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -66,13 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("config", metavar="CONFIG", help="DeepSpeed-style JSON config file")
     presets = preset_names()
-    explain.add_argument(
+    source = explain.add_mutually_exclusive_group()
+    source.add_argument(
         "--model",
         metavar="PRESET|module:factory",
-        help="count parameters per precision group, built on the meta device"
+        help="the model: its parameters per precision group, and each rank's peak memory traced on fake tensors"
         + (f" (presets: {', '.join(presets)})" if presets else ""),
     )
-    explain.add_argument("--params", type=_positive_int, metavar="N", help="estimate memory for N parameters")
+    source.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder): the model "
+                        "built from it, without weights")
+    source.add_argument("--params", type=_positive_int, metavar="N",
+                        help="estimate model states and buffer bounds for N parameters (no activations)")
+    explain.add_argument("--seq", type=_positive_int, metavar="S",
+                         help="tokens per sample (default: the model's longest)")
+    explain.add_argument("--micro-batch", type=_positive_int, metavar="M",
+                         help="samples per micro-step (default: the config's train_micro_batch_size_per_gpu)")
+    explain.add_argument("--activation-checkpointing", action="store_true",
+                         help="each unit recomputes its activations in backward (torch.utils.checkpoint)")
+    explain.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                         help="where it trains: an accelerator (default) or the CPU (one memory)")
     explain.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="ranks (default 1)")
     explain.add_argument("--json", action="store_true", help="print JSON instead of tables")
     explain.set_defaults(handler=_run_explain)

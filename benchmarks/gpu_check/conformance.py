@@ -50,10 +50,13 @@ def device_step(engine, case: Case, batch) -> list[float]:
     return losses
 
 
-def train_case(case: Case) -> dict[str, Any]:
-    """The case trained on the device; the result as `common.train` gives it, on the CPU, with
-    "device" naming where the engine ran (where its reference runs)."""
+def train_case(case: Case, compile_backend: str | None = None) -> dict[str, Any]:
+    """The case trained on the device (with `compile_backend`: after `engine.compile(backend=...)`);
+    the result as `common.train` gives it, on the CPU, with "device" naming where the engine ran
+    (where its reference runs)."""
     engine = build_engine(case)
+    if compile_backend is not None:
+        engine.compile(backend=compile_backend)
     try:
         result = to_cpu(train(engine, case, step_fn=device_step))
         result["device"] = str(engine.device)
@@ -81,10 +84,13 @@ def compare(case: Case, result: dict[str, Any]) -> dict[str, Any] | tuple[str, d
     return numbers
 
 
-def conformance(stage: int, mode: str) -> dict[str, Any] | tuple[str, dict[str, Any], str]:
-    """Check a, one cell: stage x mode, micro-batch 2, 2 accumulation steps, 3 optimizer steps."""
+def conformance(
+    stage: int, mode: str, compile_backend: str | None = None
+) -> dict[str, Any] | tuple[str, dict[str, Any], str]:
+    """Check a, one cell: stage x mode, micro-batch 2, 2 accumulation steps, 3 optimizer steps;
+    with `compile_backend`, the engine compiled (docs/compile.md), within the same tolerances."""
     case = Case(stage=stage, mode=mode, micro=2, ga=2, steps=3)
-    return compare(case, train_case(case))
+    return compare(case, train_case(case, compile_backend))
 
 
 # The reference on the device against the reference on the CPU (informational: no engine is

@@ -8,7 +8,12 @@ sequence 64. Every engine trains the same model from the same seed with AdamW an
 
 - plain: fp32 parameters, forward under torch.autocast(bf16), fused AdamW, clip_grad_norm_;
 - fsdp2: fully_shard on each block and the root, MixedPrecisionPolicy(bf16 params, fp32 reduce);
-- zeroshard sN: the DeepSpeed-format config with bf16 enabled (bf16 parameters, fp32 masters).
+- zeroshard sN: the DeepSpeed-format config with bf16 enabled (bf16 parameters, fp32 masters);
+- check h, each "-compiled" (issue 40): the same, every block compiled (inductor on a GPU,
+  aot_eager on the CPU): zeroshard by `engine.compile()`, the plain loop and FSDP2 by torchtitan's
+  recipe (each block replaced by `torch.compile(block, fullgraph=True)`, FSDP2's `fully_shard`
+  after it). `first_step_s` is the first step, compiling included (for every row: the eager rows'
+  is their warm-up cost).
 
 MFU counts 6 N + 12 L h s FLOPs per token (PaLM's formula: N the parameters that multiply, i.e.
 without the position embedding; the attention term counts the full, not the causal, square). N is
@@ -39,6 +44,18 @@ from zeroshard.models import GPT, build_gpt
 H100_BF16_DENSE_TFLOPS = 989.0
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 ENGINES = ("plain", "zeroshard-s3", "fsdp2", "zeroshard-s0", "zeroshard-s1", "zeroshard-s2")
+# Each compiled block by block (issue 40): the plain loop and FSDP2 as torchtitan does (every block
+# under torch.compile(fullgraph=True), FSDP2's fully_shard after, on the compiled blocks), zeroshard
+# with engine.compile(). The CPU run checks one of each (COMPILED_ON_CPU).
+COMPILED = ("plain-compiled", "zeroshard-s3-compiled", "fsdp2-compiled", "zeroshard-s0-compiled",
+            "zeroshard-s1-compiled", "zeroshard-s2-compiled")
+COMPILED_ON_CPU = ("plain-compiled", "zeroshard-s3-compiled", "fsdp2-compiled")
+
+
+def compile_backend(device: torch.device) -> str:
+    """inductor on a GPU; aot_eager on the CPU (the CPU run checks the code, and a cold inductor
+    compile there costs minutes)."""
+    return "inductor" if device.type == "cuda" else "aot_eager"
 
 
 @dataclass(frozen=True)
@@ -114,14 +131,22 @@ def _build(size: BenchSize, device: torch.device) -> GPT:
         return build_gpt(size.preset, block_size=max(size.seq, 64))
 
 
+def _compile_blocks(model: GPT, backend: str) -> None:
+    """torchtitan's per-block compile: each block replaced by its torch.compile wrapper."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
+
+
 class _Plain:
     """Each runner: `backward(x, y)` (forward and backward; the loss) then `update()` (clipping,
     the optimizer step); `flops_token` counted on the model before wrapping."""
 
-    def __init__(self, size: BenchSize, device: torch.device) -> None:
+    def __init__(self, size: BenchSize, device: torch.device, compiled: bool = False) -> None:
         self.device = device
         self.model = _build(size, device)
         self.flops_token = flops_per_token(self.model, size.seq)
+        if compiled:
+            _compile_blocks(self.model, compile_backend(device))
         fused = {"fused": True} if device.type == "cuda" else {}
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW, **fused)
 
@@ -138,13 +163,15 @@ class _Plain:
 
 
 class _FSDP2(_Plain):
-    def __init__(self, size: BenchSize, device: torch.device) -> None:
+    def __init__(self, size: BenchSize, device: torch.device, compiled: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.device = device
         self.model = _build(size, device)
         self.flops_token = flops_per_token(self.model, size.seq)
+        if compiled:  # before fully_shard, so that its hooks sit on the wrappers, outside the graphs
+            _compile_blocks(self.model, compile_backend(device))
         mesh = init_device_mesh(device.type, (1,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in self.model.blocks:
@@ -160,7 +187,7 @@ class _FSDP2(_Plain):
 
 
 class _Zeroshard:
-    def __init__(self, size: BenchSize, device: torch.device, stage: int) -> None:
+    def __init__(self, size: BenchSize, device: torch.device, stage: int, compiled: bool = False) -> None:
         import zeroshard
 
         self.device = device
@@ -176,6 +203,8 @@ class _Zeroshard:
             "steps_per_print": 1_000_000,
         }
         self.engine, _, _, _ = zeroshard.initialize(model=model, config=config)
+        if compiled:
+            self.engine.compile(backend=compile_backend(device))
 
     def backward(self, x, y) -> torch.Tensor:
         _, loss = self.engine(x, y)
@@ -190,11 +219,13 @@ class _Zeroshard:
 
 
 def _make(engine: str, size: BenchSize, device: torch.device):
+    compiled = engine.endswith("-compiled")
+    engine = engine.removesuffix("-compiled")
     if engine == "plain":
-        return _Plain(size, device)
+        return _Plain(size, device, compiled)
     if engine == "fsdp2":
-        return _FSDP2(size, device)
-    return _Zeroshard(size, device, int(engine.rsplit("s", 1)[1]))
+        return _FSDP2(size, device, compiled)
+    return _Zeroshard(size, device, int(engine.rsplit("s", 1)[1]), compiled)
 
 
 class _Memory:
@@ -230,9 +261,12 @@ def _measure(engine: str, size: BenchSize, device: torch.device) -> dict[str, An
         y = torch.randint(0, 256, (size.micro, size.seq), generator=gen).to(device)
         losses = []
         for i in range(size.warmup):
+            start = time.perf_counter()
             losses.append(float(runner.backward(x, y)))
             runner.update()
             if i == 0:
+                _sync(device)
+                first_step_s = time.perf_counter() - start  # a compiled runner's compile time is in it
                 memory.now("states_gb")
         # One untimed step split in its two phases (each phase's peak needs a synchronisation
         # on both sides, which the timed steps should not pay).
@@ -251,7 +285,7 @@ def _measure(engine: str, size: BenchSize, device: torch.device) -> dict[str, An
             _sync(device)
             times.append(time.perf_counter() - start)
             losses.append(float(loss))
-        out = {"micro": size.micro, "step_s": statistics.median(times),
+        out = {"micro": size.micro, "step_s": statistics.median(times), "first_step_s": first_step_s,
                "flops_token": runner.flops_token, "loss_first": losses[0], "loss_last": losses[-1]}
         if device.type == "cuda":
             out["peak_alloc_gb"] = torch.cuda.max_memory_allocated() / 2**30

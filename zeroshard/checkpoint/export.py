@@ -18,11 +18,13 @@ from safetensors.torch import save_file
 from zeroshard.checkpoint.async_save import join_writer
 from zeroshard.checkpoint.deepspeed.convert import deepspeed_tag_dir
 from zeroshard.checkpoint.deepspeed.fp32 import deepspeed_fp32_state_dict
+from zeroshard.checkpoint.export_16bit import stream_16bit, streamable
 from zeroshard.checkpoint.files import write_via_private_dir
-from zeroshard.checkpoint.format import CheckpointReader, resolve_checkpoint_dir
+from zeroshard.checkpoint.format import CheckpointReader, resolve_checkpoint_dir, str_to_dtype
 from zeroshard.checkpoint.frozen import frozen_state, moe_expert_places, whole_by_saved_name
 from zeroshard.checkpoint.names import state_dict_keys
 from zeroshard.checkpoint.save import module_names
+from zeroshard.checkpoint.stream import StreamedSafetensors
 from zeroshard.checkpoint.sync import agree
 from zeroshard.comm.simulated import refuse_in_simulation
 from zeroshard.moe.autoep.export import hf_layouts, to_hf_state_dict
@@ -73,19 +75,61 @@ def _write_state_dict(state: dict[str, torch.Tensor], path: Path, metadata: dict
         write_via_private_dir(path, lambda tmp: torch.save(state, tmp))
 
 
-def write_fp32(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: str | None = None) -> Path:
+def write_fp32(
+    ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, tag: str | None = None,
+    exclude: frozenset[str] = frozenset(),
+) -> Path:
     """`consolidate_fp32` written to `out_path` (safetensors, or torch.save for other suffixes);
-    a DeepSpeed checkpoint directory is read as DeepSpeed's zero_to_fp32 reads it."""
+    a DeepSpeed checkpoint directory is read as DeepSpeed's zero_to_fp32 reads it. `exclude`:
+    state dict keys left out.
+
+    A zeroshard checkpoint written to a .safetensors file is streamed: one parameter is built
+    from its fragments, written and dropped before the next, so the host holds the largest
+    parameter (in fp32, with its fragments), never the model ([Note: streamed safetensors]).
+    """
     join_writer()
+    out_path = Path(out_path)
     tag_dir = deepspeed_tag_dir(ckpt_dir, tag)
     if tag_dir is not None:
         state = deepspeed_fp32_state_dict(tag_dir)
     else:
         tag_dir = resolve_checkpoint_dir(ckpt_dir, tag)  # once: `latest` may change meanwhile
+        if out_path.suffix == ".safetensors":
+            with CheckpointReader(tag_dir) as reader:
+                if not reader.index.get("autoep"):  # AutoEP stacks are re-laid out whole (to_hf_state_dict)
+                    metadata = {"format": "pt", "source": str(tag_dir)}
+                    write_via_private_dir(out_path, lambda tmp: _stream_fp32(reader, tmp, metadata, exclude))
+                    return out_path
         state = consolidate_fp32(tag_dir)
-    out_path = Path(out_path)
+    state = {k: v for k, v in state.items() if k not in exclude}
     _write_state_dict(state, out_path, {"format": "pt", "source": str(tag_dir)})
     return out_path
+
+
+def _fp32_entries(index: dict[str, Any]) -> dict[str, tuple[str, str, torch.dtype, tuple[int, ...]]]:
+    """key -> (where it comes from: "param" / "extra", the name there, dtype, shape) of the
+    consolidated fp32 state dict, in `model.state_dict()` order."""
+    aliases = index.get("aliases", {})
+    extras = {**index.get("buffers", {}), **index.get("frozen_params", {})}
+    out = {}
+    for key in index["state_dict_keys"]:
+        name = aliases.get(key, key)
+        if name in index["params"]:
+            out[key] = ("param", name, torch.float32, tuple(index["params"][name]["shape"]))
+        else:
+            dtype = str_to_dtype(extras[key]["dtype"])
+            out[key] = ("extra", key, torch.float32 if dtype.is_floating_point else dtype, tuple(extras[key]["shape"]))
+    return out
+
+
+def _stream_fp32(reader: CheckpointReader, path: Path, metadata: dict[str, str], exclude: frozenset[str]) -> None:
+    entries = {k: v for k, v in _fp32_entries(reader.index).items() if k not in exclude}
+    with StreamedSafetensors(path, [(k, dtype, shape) for k, (_, _, dtype, shape) in entries.items()],
+                             metadata) as out:
+        for key, (source, name, dtype, _) in entries.items():
+            value = reader.read_full(name) if source == "param" else reader.extra(name)
+            out.write(key, value.to(dtype))
+            del value
 
 
 def consolidated_16bit_state_dict(
@@ -160,11 +204,18 @@ def save_16bit_model(
 ) -> str:
     """`consolidated_16bit_state_dict` written by rank 0 to save_dir/save_filename. Collective.
 
+    A .safetensors file is streamed (dense models): each unit is gathered in turn and rank 0
+    writes its parameters before the next, so rank 0's host holds one unit at a time, not the
+    model (export_16bit.py).
+
     Returns:
         The written file's path (on every rank).
     """
     refuse_in_simulation("save_16bit_model")
     path = Path(save_dir) / save_filename
+    if path.suffix == ".safetensors" and streamable(engine):
+        stream_16bit(engine, path, exclude_frozen_parameters)
+        return str(path)
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     error: BaseException | None = None
     if state is not None:

@@ -321,6 +321,10 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: corrupt: its sha256 differs from the one in {INDEX_FILE}.")
         return path
 
+    def open(self, file_name: str) -> None:
+        """Open (and so check: size, checksum, rank metadata, lengths) `file_name` now."""
+        self._handle(file_name)
+
     def _handle(self, file_name: str):
         handle = self._open.get(file_name)
         if handle is None:
@@ -387,6 +391,10 @@ class CheckpointReader:
         """Module buffers and frozen parameters (rank 0's extras file)."""
         handle = self._handle(EXTRAS_FILE)
         return {k: handle.get_tensor(k) for k in handle.keys()}
+
+    def extra(self, name: str) -> torch.Tensor:
+        """One module buffer or frozen parameter (read alone: a frozen base model can be large)."""
+        return self._get(EXTRAS_FILE, name)
 
     # -- parameters
     def split_of(self, name: str, index: int = 0) -> TensorSplit | None:

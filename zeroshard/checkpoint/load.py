@@ -3,23 +3,26 @@
 Two phases, so that nothing is half-loaded:
 
 1. *Read*: every rank validates the checkpoint against the model (names, shapes, files,
-   checksums) and assembles, in new tensors, everything it will write: the master weights
-   of each of its flat buffers in this engine's layout, gathered parameter by parameter
-   from whichever saved fragments overlap (the saving run's world size, stage and padding
-   do not matter), the optimizer state the same way, buffers, counters, scaler and
-   scheduler state, RNG state. The engine is not touched. The ranks then agree: if any
-   rank failed, every rank raises.
-2. *Write*: copy into the engine, then republish the module parameters from the masters
-   (stages 0-2: the full buffers; stage 3: `param_shard`, or nothing where the next gather
-   casts the master), cast to the parameter dtype.
+   checksums of every file it will read, the optimizer's state kinds), and reads what is
+   small: buffers, frozen parameters, counters, scaler and scheduler state, RNG state. The
+   engine is not touched. The ranks then agree: if any rank failed, every rank raises.
+2. *Write*: flat by flat, assemble the master weights (and the optimizer state) in this
+   engine's layout from whichever saved fragments overlap (the saving run's world size, stage
+   and padding do not matter), copy them into the engine and drop them, so the host holds one
+   flat's share at a time, not the rank's (docs/memory.md); the files were checked in phase 1,
+   so only an I/O error can stop it half-way. Then republish the module parameters from the
+   masters (stages 0-2: the full buffers; stage 3: `param_shard`, or nothing where the next
+   gather casts the master), cast to the parameter dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,10 +78,11 @@ class _Loaded:
     """Everything phase 1 read, ready to be written into the engine."""
 
     tag_dir: Path
-    masters: list[torch.Tensor]
+    masters: list[Callable[[], torch.Tensor]]  # each flat's, read when it is written (phase 2)
     # Values copied straight into module tensors: frozen parameters and buffers, by name.
     module_values: dict[str, torch.Tensor]
-    optimizer_states: list[dict[str, Any]] | None = None
+    optimizer_states: list[Callable[[], dict[str, Any]]] | None = None
+    reader: CheckpointReader | None = None  # open until phase 2 has read every flat
     param_groups: list[dict[str, Any]] | None = None
     lr_only: bool = False  # restore just the lrs (scheduler state loaded, optimizer state not)
     counters: dict[str, int] | None = None
@@ -179,7 +183,10 @@ def _assemble(flat: Any, names: list[str], read, kind: str, dtype: torch.dtype) 
     return out
 
 
-def _flat_optimizer_state(engine: Any, flat: Any, names: list[str], reader: CheckpointReader, read) -> dict[str, Any]:
+def _flat_optimizer_state(
+    engine: Any, flat: Any, names: list[str], reader: CheckpointReader, read
+) -> Callable[[], dict[str, Any]]:
+    """Checks the flat's saved optimizer state now; the returned function reads it (phase 2)."""
     params = reader.index["params"]
     entries = [params.get(name) for name in names]
     if any(e is None for e in entries):
@@ -197,19 +204,25 @@ def _flat_optimizer_state(engine: Any, flat: Any, names: list[str], reader: Chec
                 "optimizer state kinds when saved; load with load_optimizer_states=False."
             )
     current = engine.optimizer.state.get(flat.master, {})
-    state: dict[str, Any] = {}
+    dtypes = {}
     for key in elementwise:
         # The dtype the optimizer already keeps this state in, else the saved one.
         existing = current.get(key)
         saved = reader.saved_dtype(names[0], state_kind(key))
-        dtype = existing.dtype if isinstance(existing, torch.Tensor) else saved
-        state[key] = _assemble(flat, names, read, state_kind(key), dtype)
-    if scalars:
-        for key, kind in scalars.items():
-            value = reader.read_scalar(names, key)
-            if value is None:  # only empty parameters here: any other flat's copy
-                value = reader.read_scalar(list(params), key)
-            state[key] = scalar_value(value, kind, str(reader.tag_dir), f"optimizer scalar {key}")
+        dtypes[key] = existing.dtype if isinstance(existing, torch.Tensor) else saved
+    scalar_values = {}
+    for key, kind in scalars.items():  # 0-d: read and checked now
+        value = reader.read_scalar(names, key)
+        if value is None:  # only empty parameters here: any other flat's copy
+            value = reader.read_scalar(list(params), key)
+        scalar_values[key] = scalar_value(value, kind, str(reader.tag_dir), f"optimizer scalar {key}")
+
+    def state() -> dict[str, Any]:
+        out: dict[str, Any] = {key: _assemble(flat, names, read, state_kind(key), dtype)
+                               for key, dtype in dtypes.items()}
+        out.update(scalar_values)
+        return out
+
     return state
 
 
@@ -274,62 +287,92 @@ def _entry_value(
 
 
 def read_for_engine(engine: Any, tag_dir: Path, options: LoadOptions) -> _Loaded:
-    """Phase 1: validate and read everything this rank will write. Touches nothing."""
+    """Phase 1: validate everything, read what is small. Touches nothing. The returned `_Loaded`
+    holds the open reader (phase 2 reads the flats through it; `load_checkpoint` closes it)."""
     reader = CheckpointReader(tag_dir)
-    with reader:
-        index = reader.index
-        problems = _model_differences(engine, index)
-        if problems:
-            raise CheckpointError(f"checkpoint {tag_dir} does not match the model:\n  " + "\n  ".join(problems))
-        extras = reader.extras()
-        read = _param_source(reader, extras)
-        saved_names = flat_names(engine)
-        masters = [
-            _assemble(flat, names, read, MASTER_KIND, flat.master.dtype)
-            for flat, names in zip(engine.flats, saved_names, strict=True)
-        ]
-        _, frozen_now, buffer_names = module_names(engine)
-        _check_extras(engine, extras, buffer_names, reader)
-        module_values = {name: extras[name] for name in buffer_names}
+    try:
+        loaded = _read(engine, reader, tag_dir, options)
+    except BaseException:
+        reader.close()
+        raise
+    loaded.reader = reader
+    return loaded
 
-        def saved_whole(name: str) -> torch.Tensor | None:  # frozen now; maybe trainable (sharded) when saved
-            if name in extras:
-                return extras[name]
-            return reader.read_full(name) if name in index["params"] else None
 
-        module_values.update(frozen_values(engine.module, frozen_now, saved_whole))
-        loaded = _Loaded(tag_dir=tag_dir, masters=masters, module_values=module_values)
-        if options.module_only:
-            return loaded  # client state is never read: a module-only load reads tensors and JSON only
-        cache: dict[str, Any] = {}
-        loaded.client_state = _entry_value(reader, index.get("client_state"), "client_state", cache, options) or {}
+def _needed_files(engine: Any, reader: CheckpointReader, saved_names: list[list[str]]) -> set[str]:
+    """The rank files holding a fragment of this rank's masters (opened, so checked, in phase 1)."""
+    params = reader.index["params"]
+    files = set()
+    for flat, names in zip(engine.flats, saved_names, strict=True):
+        master_start, master_len = flat.master_range()
+        for i, name in enumerate(names):
+            common = overlap(flat.offsets[i], flat.offsets[i] + flat.numels[i], master_start, master_start + master_len)
+            if common is None or name not in params:
+                continue
+            start = common[0] - flat.offsets[i] + saved_offset(flat.params[i])
+            stop = start + common[1] - common[0]
+            for frag in params[name]["fragments"]:
+                if overlap(start, stop, frag["offset"], frag["offset"] + frag["numel"]) is not None:
+                    files.add(rank_file_name(frag["rank"]))
+    return files
 
-        saved_opt = index.get("optimizer")
-        wants_groups = options.optimizer_states or options.lr_scheduler_states
-        if engine.optimizer is not None and saved_opt is not None and wants_groups:
-            if len(saved_opt["param_groups"]) != len(engine.optimizer.param_groups):
+
+def _read(engine: Any, reader: CheckpointReader, tag_dir: Path, options: LoadOptions) -> _Loaded:
+    index = reader.index
+    problems = _model_differences(engine, index)
+    if problems:
+        raise CheckpointError(f"checkpoint {tag_dir} does not match the model:\n  " + "\n  ".join(problems))
+    extras = reader.extras()
+    read = _param_source(reader, extras)
+    saved_names = flat_names(engine)
+    masters = [
+        functools.partial(_assemble, flat, names, read, MASTER_KIND, flat.master.dtype)
+        for flat, names in zip(engine.flats, saved_names, strict=True)
+    ]
+    for file_name in sorted(_needed_files(engine, reader, saved_names)):
+        reader.open(file_name)  # checks size, checksum, rank and lengths now (phase 1)
+    _, frozen_now, buffer_names = module_names(engine)
+    _check_extras(engine, extras, buffer_names, reader)
+    module_values = {name: extras[name] for name in buffer_names}
+
+    def saved_whole(name: str) -> torch.Tensor | None:  # frozen now; maybe trainable (sharded) when saved
+        if name in extras:
+            return extras[name]
+        return reader.read_full(name) if name in index["params"] else None
+
+    module_values.update(frozen_values(engine.module, frozen_now, saved_whole))
+    loaded = _Loaded(tag_dir=tag_dir, masters=masters, module_values=module_values)
+    if options.module_only:
+        return loaded  # client state is never read: a module-only load reads tensors and JSON only
+    cache: dict[str, Any] = {}
+    loaded.client_state = _entry_value(reader, index.get("client_state"), "client_state", cache, options) or {}
+
+    saved_opt = index.get("optimizer")
+    wants_groups = options.optimizer_states or options.lr_scheduler_states
+    if engine.optimizer is not None and saved_opt is not None and wants_groups:
+        if len(saved_opt["param_groups"]) != len(engine.optimizer.param_groups):
+            raise CheckpointError(
+                f"checkpoint {tag_dir}: {len(saved_opt['param_groups'])} optimizer param groups saved, "
+                f"this engine has {len(engine.optimizer.param_groups)}; load with "
+                "load_optimizer_states=False and load_lr_scheduler_states=False."
+            )
+        if options.optimizer_states:
+            if _optimizer_family(saved_opt["class"]) != _optimizer_family(optimizer_class(engine.optimizer)):
                 raise CheckpointError(
-                    f"checkpoint {tag_dir}: {len(saved_opt['param_groups'])} optimizer param groups saved, "
-                    f"this engine has {len(engine.optimizer.param_groups)}; load with "
-                    "load_optimizer_states=False and load_lr_scheduler_states=False."
+                    f"checkpoint {tag_dir}: optimizer state of {saved_opt['class']}, this engine uses "
+                    f"{optimizer_class(engine.optimizer)}; load with load_optimizer_states=False."
                 )
-            if options.optimizer_states:
-                if _optimizer_family(saved_opt["class"]) != _optimizer_family(optimizer_class(engine.optimizer)):
-                    raise CheckpointError(
-                        f"checkpoint {tag_dir}: optimizer state of {saved_opt['class']}, this engine uses "
-                        f"{optimizer_class(engine.optimizer)}; load with load_optimizer_states=False."
-                    )
-                loaded.optimizer_states = [
-                    _flat_optimizer_state(engine, f, names, reader, read)
-                    for f, names in zip(engine.flats, saved_names, strict=True)
-                ]
-                loaded.param_groups = saved_opt["param_groups"]
-            elif options.lr_scheduler_states:
-                loaded.param_groups, loaded.lr_only = saved_opt["param_groups"], True
-        if options.lr_scheduler_states and engine.lr_scheduler is not None:
-            loaded.lr_scheduler = _entry_value(reader, index.get("lr_scheduler"), "lr_scheduler", cache, options)
-        _parse_small_fields(engine, reader, loaded)
-        return loaded
+            loaded.optimizer_states = [
+                _flat_optimizer_state(engine, f, names, reader, read)
+                for f, names in zip(engine.flats, saved_names, strict=True)
+            ]
+            loaded.param_groups = saved_opt["param_groups"]
+        elif options.lr_scheduler_states:
+            loaded.param_groups, loaded.lr_only = saved_opt["param_groups"], True
+    if options.lr_scheduler_states and engine.lr_scheduler is not None:
+        loaded.lr_scheduler = _entry_value(reader, index.get("lr_scheduler"), "lr_scheduler", cache, options)
+    _parse_small_fields(engine, reader, loaded)
+    return loaded
 
 
 def _parse_small_fields(engine: Any, reader: CheckpointReader, loaded: _Loaded) -> None:
@@ -398,11 +441,11 @@ def _load_small_states(engine: Any, loaded: _Loaded) -> None:
 def _write_into_engine(engine: Any, loaded: _Loaded) -> None:
     module = engine.module
     with torch.no_grad():
-        for flat, master in zip(engine.flats, loaded.masters, strict=True):
-            flat.load_master(master)
-        if loaded.optimizer_states is not None:
-            for flat, state in zip(engine.flats, loaded.optimizer_states, strict=True):
-                flat.load_optimizer_state(engine.optimizer, state)
+        # One flat at a time: its master (and state) are read, written and dropped before the next.
+        for k, (flat, master) in enumerate(zip(engine.flats, loaded.masters, strict=True)):
+            flat.load_master(master())
+            if loaded.optimizer_states is not None:
+                flat.load_optimizer_state(engine.optimizer, loaded.optimizer_states[k]())
         if loaded.param_groups is not None:
             _restore_param_groups(engine.optimizer, loaded.param_groups, loaded.lr_only)
         # A collective at stages 1-2 (same flats, same order on every rank).
@@ -484,11 +527,12 @@ def load_checkpoint(
         prefer = section.get("load_universal") if isinstance(section, dict) else getattr(section, "load_universal", 0)
         tag = universal_latest(load_dir, prefer=bool(prefer))
     tag = agree_on_tag(load_dir, tag)
-    try:
-        if tag is not None:
-            # A DeepSpeed checkpoint is converted (per rank, in a temporary directory) and read as ours.
-            ds_dir = deepspeed_tag_dir(load_dir, tag)
-            with converted(ds_dir, allow_pickle) if ds_dir is not None else contextlib.nullcontext() as tmp_dir:
+    with contextlib.ExitStack() as keep:  # the files phase 2 reads stay until it is done
+        try:
+            if tag is not None:
+                # A DeepSpeed checkpoint is converted (per rank, in a temporary directory) and read as ours.
+                ds_dir = deepspeed_tag_dir(load_dir, tag)
+                tmp_dir = keep.enter_context(converted(ds_dir, allow_pickle)) if ds_dir is not None else None
                 tag_dir = tmp_dir or find_tag_dir(load_dir, tag)
                 try:
                     loaded = read_for_engine(engine, tag_dir, options)
@@ -496,15 +540,16 @@ def load_checkpoint(
                     raise CheckpointError(
                         f"{tag_dir / 'index.json'}: malformed ({exc!r}); the index is corrupt."
                     ) from exc
+                keep.callback(loaded.reader.close)
                 if ds_dir is not None:
                     loaded.tag_dir = ds_dir
-    except Exception as exc:
-        error = exc
-    agree(error, f"load_checkpoint({load_dir}, tag={tag!r})")
-    if loaded is None:
-        logger.warning("load_checkpoint: no '%s/latest' file, nothing loaded.", load_dir)
-        return None, None
-    apply_to_engine(engine, loaded, options)
+        except Exception as exc:
+            error = exc
+        agree(error, f"load_checkpoint({load_dir}, tag={tag!r})")
+        if loaded is None:
+            logger.warning("load_checkpoint: no '%s/latest' file, nothing loaded.", load_dir)
+            return None, None
+        apply_to_engine(engine, loaded, options)
     if engine.global_rank == 0:
         logger.info("loaded checkpoint %s at step %d", loaded.tag_dir, engine.global_steps)
     return str(loaded.tag_dir), loaded.client_state

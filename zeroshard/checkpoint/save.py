@@ -135,8 +135,9 @@ def _sampler_state(engine: Any) -> dict[str, Any] | None:
 
 
 def _host_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A synchronous save writes before training resumes: no copy where the tensor is on the host."""
-    return tensor.contiguous().cpu()
+    """A synchronous save writes before training resumes: no copy here. The rank file's writer
+    brings each tensor to the host as it writes it (write.py), so the host holds one at a time."""
+    return tensor.contiguous()
 
 
 def rank_tensors(

@@ -32,6 +32,7 @@ from zeroshard.checkpoint.format import (
     old_tag_dir,
     rank_file_name,
 )
+from zeroshard.checkpoint.stream import StreamedSafetensors
 
 # Test hook: "<point>@<rank>" makes that rank exit abruptly at that point of a save, as a
 # killed process would. Points: "rank_file" (after writing its own file), "before_rename"
@@ -51,9 +52,14 @@ def crash_point(point: str, rank: int) -> None:
 
 
 def write_rank_file(tmp: Path, rank: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
-    """Write and fsync `rank_<r>.safetensors`; its name, size and sha256 for the index."""
+    """Write and fsync `rank_<r>.safetensors`; its name, size and sha256 for the index. Streamed
+    ([Note: streamed safetensors] in stream.py): a tensor on the device comes to the host only
+    when its bytes are written, one at a time."""
     path = tmp / rank_file_name(rank)
-    save_file(tensors, str(path), metadata=metadata)
+    entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    with StreamedSafetensors(path, entries, metadata) as out:
+        for name, tensor in tensors.items():
+            out.write(name, tensor)
     finish_file(path)
     size, sha = file_digest(path)
     return {"file": path.name, "size": size, "sha256": sha}

@@ -6,7 +6,8 @@ group, through `consolidate_fp32` (export.py), and checkpoints DeepSpeed 0.19 wr
 universal) through checkpoint/deepspeed/fp32.py. Differences from DeepSpeed's: `lazy_mode=True`
 returns ordinary tensors (the values are the same; DeepSpeed's lazy tensors only defer reading),
 and `convert_zero_checkpoint_to_fp32_state_dict` writes one file, never shards
-(`max_shard_size` is accepted for the signature).
+(`max_shard_size` is accepted for the signature: the safetensors file is streamed, so its size
+does not bound the host's memory).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from zeroshard.checkpoint.async_save import join_writer
 from zeroshard.checkpoint.deepspeed.convert import deepspeed_tag_dir
 from zeroshard.checkpoint.deepspeed.fp32 import deepspeed_fp32_state_dict
-from zeroshard.checkpoint.export import _write_state_dict, consolidate_fp32
+from zeroshard.checkpoint.export import _write_state_dict, consolidate_fp32, write_fp32
 from zeroshard.checkpoint.format import CheckpointReader, resolve_checkpoint_dir
 
 logger = logging.getLogger("zeroshard")
@@ -59,11 +60,19 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 ) -> Path:
     """Write the fp32 state dict to `output_dir/model.safetensors` (`safe_serialization`) or
     `output_dir/pytorch_model.bin` (torch.save), the names DeepSpeed and `from_pretrained` use;
-    returns the file."""
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    returns the file. The safetensors file of a zeroshard checkpoint is streamed parameter by
+    parameter (export.write_fp32): the host holds one parameter, not the model."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / ("model.safetensors" if safe_serialization else "pytorch_model.bin")
+    if safe_serialization and deepspeed_tag_dir(checkpoint_dir, tag) is None:
+        tag_dir = resolve_checkpoint_dir(checkpoint_dir, tag)
+        exclude: frozenset[str] = frozenset()
+        if exclude_frozen_parameters:
+            with CheckpointReader(tag_dir) as reader:
+                exclude = frozenset(reader.index.get("frozen_params", {}))
+        return write_fp32(tag_dir, path, exclude=exclude)
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
     _write_state_dict(state, path, {"format": "pt"} if safe_serialization else None)
     return path
 

@@ -27,6 +27,7 @@ class RankDesyncError(RuntimeError):
 class Where:
     step: int | None = None
     unit: str | None = None
+    phase: str | None = None  # forward, backward, reduction, optimizer step, save, load (memory/oom.py)
 
     def describe(self) -> str:
         parts = []
@@ -38,6 +39,16 @@ class Where:
 
 
 where = Where()
+
+
+@contextlib.contextmanager
+def in_phase(name: str) -> Iterator[None]:
+    """The engine is in phase `name` inside the block (an out-of-memory report names it)."""
+    previous, where.phase = where.phase, name
+    try:
+        yield
+    finally:
+        where.phase = previous
 
 
 @contextlib.contextmanager

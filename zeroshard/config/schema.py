@@ -39,6 +39,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from zeroshard.config.batch import BATCH_KEYS, data_parallel_size, resolve_batch_triangle
 from zeroshard.config.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
+from zeroshard.config.compile import CompileConfig
 from zeroshard.config.error import ConfigError, DeepSpeedConfigError
 from zeroshard.config.expert_parallel import ExpertParallelConfig
 from zeroshard.config.file import check_depth, read_config_file
@@ -112,6 +113,9 @@ class ZeroshardExtras(_Section):
             (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
             of the profile (zeroshard/monitor/flops.py).
         fp8: fp8 compute for large Linear layers (zeroshard/config/fp8.py).
+        memory_budget_gb: GiB (2^30 bytes) a rank may use; `initialize` and the first forward
+            refuse a config whose predicted peak exceeds it (docs/memory.md). Unset: the
+            accelerator's memory (no check on the CPU); null: no check.
     """
 
     unit_module_classes: list[str] | None = None
@@ -121,6 +125,7 @@ class ZeroshardExtras(_Section):
     collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
     fp8: Fp8Config = Field(default_factory=Fp8Config)
+    memory_budget_gb: float | None = Field(None, gt=0)
 
 
 class ZeroshardConfig(_Section):
@@ -157,6 +162,8 @@ class ZeroshardConfig(_Section):
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     # AutoTP: split Linear layers over groups of consecutive ranks (docs/tensor-parallel.md).
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    # engine.compile(): torch.compile unit by unit; DeepCompile's keys refused (zeroshard/config/compile.py).
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     # zeroshard/monitor/: the step-time breakdown, FLOPs/MFU and the collective summary.
     wall_clock_breakdown: bool = False
     flops_profiler: dict[str, Any] | None = None
@@ -196,7 +203,7 @@ class ZeroshardConfig(_Section):
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
         {"optimizer", "scheduler", "seed", "train_batch_size", "train_micro_batch_size_per_gpu",
          "gradient_accumulation_steps", "sequence_parallel_size", "data_parallel_size",
-         "tensorboard", "wandb", "csv_monitor", "preemption", "tensor_parallel"}
+         "tensorboard", "wandb", "csv_monitor", "preemption", "tensor_parallel", "compile"}
     )
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
         "amp": _Unsupported(_disabled_section, "Use 'bf16', 'fp16' or 'torch_autocast'."),
@@ -213,7 +220,6 @@ class ZeroshardConfig(_Section):
         "quantize_training": _Unsupported(_disabled_section, "Remove it."),
         "eigenvalue": _Unsupported(_disabled_section, "Remove it."),
         "progressive_layer_drop": _Unsupported(_disabled_section, "Remove it."),
-        "compile": _Unsupported(_disabled_section, "Call torch.compile on your model yourself."),
         "weight_quantization": _Unsupported(_empty, "Remove it."),
         "sparse_gradients": _Unsupported(_equals(False), "Gradients are dense; remove it."),
         "prescale_gradients": _Unsupported(

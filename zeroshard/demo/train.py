@@ -166,11 +166,12 @@ def precision_plan_text(config_path: Path, world_size: int, model: str, plan) ->
     per parameter group and the memory estimate. Falls back to the engine's plan as text."""
     from zeroshard.tools.explain import ConfigError, UsageError, explain_text
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        text = explain_text(str(config_path), world_size, model)
+        text = explain_text(str(config_path), world_size, model, device=device)
     except (ConfigError, UsageError):
         return f"engine.precision_plan = {plan}"
-    return f"$ zeroshard explain {config_path} --model {model} --world-size {world_size}\n\n{text}"
+    return f"$ zeroshard explain {config_path} --model {model} --world-size {world_size} --device {device}\n\n{text}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,10 +24,12 @@ from zeroshard.checkpoint.preempt import Preemption
 from zeroshard.comm import faults
 from zeroshard.engine import setup
 from zeroshard.engine.api import EngineAPI
+from zeroshard.engine.compile import CompileMixin
 from zeroshard.engine.hf_compat import HFCompat
 from zeroshard.engine.parameter_offload import attach_parameter_offload
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
+from zeroshard.memory.guard import MemoryGuard
 from zeroshard.monitor.attach import build_monitoring
 from zeroshard.monitor.master import MonitorMaster
 from zeroshard.optim.muon.qk_clip.attach import attach_qk_clip
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zeroshard")
 
 
-class Engine(HFCompat, EngineAPI):
+class Engine(CompileMixin, HFCompat, EngineAPI):
     """A model wrapped for ZeRO data-parallel training (DeepSpeed's engine surface)."""
 
     def __init__(
@@ -103,6 +105,10 @@ class Engine(HFCompat, EngineAPI):
             check_inputs_once(model, self.layout.tensor)
         self.fp8_modules = setup.apply_fp8_compute(model, plan, self.device)
         self._cast_module(model)
+        # The memory budget (zeroshard/memory/guard.py): refused here, before any flat is built,
+        # if the states alone cannot fit; again at the first forward with the real inputs.
+        self.memory_guard = MemoryGuard(config, self.layout.world, self.device, traced=not self.expert_group_names)
+        self.memory_guard.check_states(model)
         streams = streams_for(self.device)  # CUDA: gathers and reductions on their own streams
         self.units = setup.build_units(
             model, config, plan, self.policy, self.layout, self.device,
@@ -111,6 +117,7 @@ class Engine(HFCompat, EngineAPI):
         self.flats = [f for unit in self.units for f in unit.flats]
         # Stage 3: DeepSpeed's ds_id, ds_persist, ... on each parameter (zeroshard/zero/param_attributes.py).
         mark_stage3(model, self.flats, stage3=not self.policy.keep_full_params)
+        self.memory_guard.attach_unit_names(self.units)
         # Stage 3: the fp8 Linears' weights are gathered in fp8 (sharding/fp8_gather.py).
         self._fp8_scales = attach_fp8_gathers(self.flats, GROUP_FP8, FP8_WIRE_DTYPE) if plan.fp8 else []
         # The trainable parameters are views of the flats, already on the device; this moves
@@ -160,7 +167,8 @@ class Engine(HFCompat, EngineAPI):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module under the precision policy (autocast, input casts)."""
-        with self.timers.span("fwd"):
+        with self.timers.span("fwd"), self.memory_guard.phase("forward"):
+            self.memory_guard.check_first_forward(self.module, args, kwargs)
             self.figures.before_forward(self.global_steps)
             output = self._forward(*args, **kwargs)
             self.figures.after_forward()
@@ -192,7 +200,7 @@ class Engine(HFCompat, EngineAPI):
         reduction); `scale_wrt_gas=False` leaves this one's undivided, as DeepSpeed's argument
         does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
         """
-        with self.timers.span("bwd"):
+        with self.timers.span("bwd"), self.memory_guard.phase("backward"):
             return self._backward(loss, retain_graph, scale_wrt_gas, **kwargs)
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool, **kwargs: Any) -> torch.Tensor:
@@ -235,7 +243,7 @@ class Engine(HFCompat, EngineAPI):
         still runs the backward epilogue in `engine.backward`), so they agree on it.
         """
         steps_before = self.global_steps
-        with self.timers.span("step"):
+        with self.timers.span("step"), self.memory_guard.phase("optimizer step"):
             self._step_once()
         if self.global_steps != steps_before:
             self.figures.after_step(self)
@@ -319,7 +327,8 @@ class Engine(HFCompat, EngineAPI):
         `async_save` (None: `checkpoint.writer.decoupled`) the files are written in the background."""
         from zeroshard import checkpoint
 
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save=async_save)
+        with self.memory_guard.phase("save"):
+            return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save=async_save)
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an asynchronous save to be written and published; collective."""
@@ -340,11 +349,12 @@ class Engine(HFCompat, EngineAPI):
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...): not supported by zeroshard. Load without it.")
 
-        return checkpoint.load_checkpoint(
-            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-            allow_pickle=allow_pickle,
-        )
+        with self.memory_guard.phase("load"):
+            return checkpoint.load_checkpoint(
+                self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                allow_pickle=allow_pickle,
+            )
 
     def resume_latest(self, load_dir=None, **load_options):
         """Load the newest complete checkpoint in load_dir (default: preemption.save_dir) at this

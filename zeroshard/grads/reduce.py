@@ -166,7 +166,7 @@ class GradientReducer:
     # ------------------------------------------------------------------- add
     def add(self, flat: FlatParamGroup) -> None:
         """Queue `flat`'s local gradient (zeros if it has none) for reduction."""
-        with faults.in_unit(flat.unit_name):
+        with faults.in_unit(flat.unit_name), faults.in_phase("reduction"):
             self._add(flat)
 
     def _add(self, flat: FlatParamGroup) -> None:
@@ -267,7 +267,7 @@ class GradientReducer:
 
     def finish(self) -> None:
         """Reduce every open bucket, wait for every collective, write every result."""
-        with timed("bwd_allreduce"):  # wall_clock_breakdown (zeroshard/monitor/timers.py)
+        with timed("bwd_allreduce"), faults.in_phase("reduction"):  # timed: wall_clock_breakdown (monitor/timers.py)
             for key in list(self._open):
                 self._issue(key)
             self._complete_issued()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from zeroshard.optim.muon.qk_clip import record_logits, register_qk_clip_heads
 
@@ -40,6 +41,9 @@ class GPTConfig:
     """Experts per token."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss added to the cross-entropy."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them
+    (`torch.utils.checkpoint`, non-reentrant): a block keeps only its input."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -209,7 +213,10 @@ class GPT(nn.Module):
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            if self.config.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
         if targets is None:
             return logits, None

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeroshard.comm import collectives as comm
+from zeroshard.comm.eager_regions import runs_eagerly
 from zeroshard.moe.dispatcher import MOELayer
 from zeroshard.moe.experts import Experts
 from zeroshard.moe.sharded_moe import NOISY_GATE_POLICIES, TopKGate
@@ -103,6 +104,7 @@ class MoE(nn.Module):
     def global_expert_index(self, local_index: int) -> int:
         return self.ep_rank * self.num_local_experts + local_index
 
+    @runs_eagerly("the MoE layer: gating with capacity and the token all-to-all (comm/eager_regions.py's note)")
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         """Returns (output shaped like hidden_states, l_aux, exp_counts)."""
         if self.deepspeed_moe.ep_group is None:

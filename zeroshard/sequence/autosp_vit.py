@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.comm import collectives as comm
+from zeroshard.comm.eager_regions import runs_eagerly
 from zeroshard.sequence.gather import _slice_lengths, gather_sequence
 from zeroshard.sequence.padding import current_valid_length, real_positions
 
@@ -55,6 +56,7 @@ class UlyssesSPViTAttention(nn.Module):
         self.process_group = process_group
         self.has_cls_token = has_cls_token
 
+    @runs_eagerly("AutoSP vision attention: the sequence gathers (comm/eager_regions.py's note)")
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         group = comm.as_group(self.process_group)
         dim = hidden_states.dim() - 2

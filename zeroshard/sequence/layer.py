@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.comm import collectives as comm
+from zeroshard.comm.eager_regions import runs_eagerly
 from zeroshard.comm.exchange import all_to_all_many
 from zeroshard.sequence.shapes import agree_shapes
 
@@ -337,6 +338,7 @@ class DistributedAttention(torch.nn.Module):
         self.sp_stream = sp_stream
         self.num_kv_heads = num_kv_heads
 
+    @runs_eagerly("Ulysses attention: the shape agreement and the head/sequence exchanges (eager_regions.py's note)")
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, batch_dim_idx: int, rotary_pos_emb: Any = None, *args, **kwargs
     ) -> Tensor:

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.comm import collectives as comm
+from zeroshard.comm.eager_regions import runs_eagerly
 from zeroshard.sequence import parallel_state_sp
 from zeroshard.sequence.dataloader import UlyssesSPDataLoaderAdapter
 from zeroshard.sequence.layer import _EQUAL_SLICES, exchange_heads, head_split
@@ -232,6 +233,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         )
         owned = {id(m) for m in model.modules()} if isinstance(model, torch.nn.Module) else None
 
+        # Eager under torch.compile: the exchanges, and `owned`, whose ids would be guards.
+        @runs_eagerly("ALST's Ulysses attention: the shape agreement and the head/sequence exchanges")
         def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
             # Attention of another model (or another head layout) in this process is left alone.
             if (owned is not None and id(module) not in owned) or query.shape[1] != num_q:

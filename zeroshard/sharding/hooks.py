@@ -43,21 +43,42 @@ def _make_inert() -> Callable[..., None]:
 class EngineHook:
     """A module hook of this engine's. A deep copy (the EMA pattern) or a pickle of the module
     gets an inert hook instead: the engine (its process groups) cannot be copied, and its
-    schedule must not run for another module."""
+    schedule must not run for another module.
 
-    __slots__ = ("fn",)
+    Under torch.compile (docs/compile.md) the engine compiles a unit's `forward`, so its own
+    module hooks run outside the graph. A hook dynamo meets anyway (a module the user compiled
+    with `module.compile()`, whose compiled `_call_impl` holds the hooks) runs eagerly, with a
+    graph break around it: it gathers, frees and counts in Python. `traceable` hooks are the
+    exception: stage 3's hooks on a unit's submodules, which inside the unit's own forward only
+    read one flag (zeroshard/sharding/schedule.py) and must not break the unit's graph.
+    """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    __slots__ = ("fn", "traceable")
+
+    def __init__(self, fn: Callable[..., Any], traceable: bool = False) -> None:
         self.fn = fn
+        self.traceable = traceable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+        if self.traceable:
+            return self.fn(*args, **kwargs)
+        return call_eagerly(self.fn, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Callable[..., None]:
         return _inert
 
     def __reduce__(self):
         return _make_inert, ()
+
+
+def call_eagerly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, which dynamo does not trace when it meets this call (a graph break
+    around it); a plain call otherwise."""
+    if torch.compiler.is_compiling():
+        # Made here, not at import: torch.compiler.disable imports dynamo (seconds). Dynamo
+        # runs this line eagerly too (it never traces torch.compiler), then `fn`.
+        return torch.compiler.disable(fn, recursive=True, reason="zeroshard: an engine hook")(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def wrap_outputs(output: Any, on_grad: Callable[[torch.Tensor], torch.Tensor]) -> Any:

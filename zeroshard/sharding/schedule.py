@@ -61,7 +61,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from zeroshard.sharding.direct_use import DirectUseMode, param_finder
-from zeroshard.sharding.hooks import EngineHook, wrap_outputs
+from zeroshard.sharding.hooks import EngineHook, call_eagerly, wrap_outputs
 from zeroshard.sharding.unit import Unit
 
 
@@ -105,7 +105,6 @@ class ParamSchedule:
         self._forward_order: list[Unit] = []  # the last complete forward's order
         self._position: dict[int, int] = {}
         self._handles: list[Any] = []
-        self._running: set[int] = set()  # ids of the units whose own module's forward is running
         self._parts_running: dict[int, int] = {}  # unit id -> its submodules' forwards running
         self._pinned: dict[int, Unit] = {}  # see [Note: pinned units]
         self._pinned_now: list[Unit] = []  # pinned by the running outermost forward
@@ -114,10 +113,12 @@ class ParamSchedule:
             self._handles.append(unit.module.register_forward_hook(EngineHook(self._unit_post(unit)), always_call=True))
             for module in unit.module.modules():
                 if module is not unit.module and module._parameters:
-                    self._handles.append(module.register_forward_pre_hook(EngineHook(self._part_pre(unit))))
-                    self._handles.append(
-                        module.register_forward_hook(EngineHook(self._part_post(unit)), always_call=True)
-                    )
+                    # Traceable hooks (the note on submodules below); not `always_call`: dynamo guards
+                    # on such a hook's id, one graph per block (a raise is cleaned up by the next
+                    # root forward instead).
+                    pre, post = EngineHook(self._part_pre(unit), True), EngineHook(self._part_post(unit), True)
+                    self._handles.append(module.register_forward_pre_hook(pre))
+                    self._handles.append(module.register_forward_hook(post))
         # Parameters of the units that are gathered and freed (not the root's, not resident ones).
         self._watched: dict[int, list[torch.nn.Parameter]] = {}  # unit id -> its parameters the mode watches
         owner = {}
@@ -146,7 +147,8 @@ class ParamSchedule:
     # -------------------------------------------------------------- root module
     def root_pre_forward(self, outermost: bool) -> None:
         if outermost:
-            self._running.clear()  # left over if a forward raised
+            for unit in self.units:
+                unit.forward_running = False  # left over if a forward raised
             self._parts_running.clear()
             if not self._in_backward():
                 self._order_now = []
@@ -225,7 +227,7 @@ class ParamSchedule:
     # ------------------------------------------------------------ direct use
     def _outside(self, unit: Unit) -> bool:
         """Neither the unit's module nor one of its submodules is running its forward."""
-        return id(unit) not in self._running and not self._parts_running.get(id(unit))
+        return not unit.forward_running and not self._parts_running.get(id(unit))
 
     def _rewatch(self, unit: Unit) -> None:
         """Watch the unit's parameters while the mode is armed and the unit is `_outside`
@@ -261,7 +263,7 @@ class ParamSchedule:
     # ------------------------------------------------------------ other units
     def _unit_pre(self, unit: Unit):
         def pre(module, args):
-            self._running.add(id(unit))
+            unit.forward_running = True
             self._rewatch(unit)
             unit.gather()
             if self.track_peak:
@@ -290,7 +292,7 @@ class ParamSchedule:
 
     def _unit_post(self, unit: Unit):
         def post(module, args, output):
-            self._running.discard(id(unit))
+            unit.forward_running = False
             self._rewatch(unit)
             # During a backward the forward is a checkpoint's recomputation: the backward
             # that follows needs the parameters, so they are freed after it instead.
@@ -337,12 +339,21 @@ class ParamSchedule:
     # submodule owning parameters gathers its unit when it runs outside the unit's own
     # forward; the unit then stays gathered until the root forward ends (free_all), and the
     # submodule's outputs gather it again when the gradient reaches them in backward.
+    #
+    # These hooks run inside the unit's forward too, so a compiled unit traces them
+    # (EngineHook's `traceable`): there they read one flag of the unit, which dynamo guards on
+    # by value, the same for every block (a set of unit ids would put each block's id into
+    # its guards, one graph per block), and do nothing. Outside the unit's forward the work
+    # runs eagerly.
     def _part_pre(self, unit: Unit):
+        def outside(module, args):
+            self._parts_running[id(unit)] = self._parts_running.get(id(unit), 0) + 1
+            self._rewatch(unit)
+            unit.gather()
+
         def pre(module, args):
-            if id(unit) not in self._running:
-                self._parts_running[id(unit)] = self._parts_running.get(id(unit), 0) + 1
-                self._rewatch(unit)
-                unit.gather()
+            if not unit.forward_running:
+                call_eagerly(outside, module, args)
 
         return pre
 
@@ -351,12 +362,15 @@ class ParamSchedule:
             unit.gather()
             return grad
 
-        def post(module, args, output):
-            if id(unit) in self._running:
-                return None
+        def outside(module, args, output):
             self._parts_running[id(unit)] = max(0, self._parts_running.get(id(unit), 0) - 1)
             self._rewatch(unit)
             return wrap_outputs(output, on_grad)
+
+        def post(module, args, output):
+            if unit.forward_running:
+                return None
+            return call_eagerly(outside, module, args, output)
 
         return post
 

@@ -23,6 +23,9 @@ class Unit:
         self.inputs_done = 0
         # Gradients accumulated locally since the unit was last reduced.
         self.has_local_grad = False
+        # Stage 3: the unit's own module is running its forward (the schedule's hooks on its
+        # submodules read it; a flag, not a set of ids, so that compiled blocks share a graph).
+        self.forward_running = False
 
     @property
     def numel(self) -> int:

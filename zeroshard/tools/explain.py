@@ -20,6 +20,7 @@ from zeroshard.config.preemption import signal_number
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
 from zeroshard.resolve import resolve_config
+from zeroshard.tools.explain_memory import memory_keys, model_spec_for, print_memory_plan, states_only_keys
 from zeroshard.tools.memory import MemoryEstimate, bytes_per_param, estimate_for_config, optimizer_state_count
 
 __all__ = [
@@ -137,8 +138,19 @@ def explain_data(
     world_size: int,
     model_spec: str | None = None,
     num_params: int | None = None,
+    *,
+    hf_config: str | None = None,
+    seq: int | None = None,
+    micro_batch: int | None = None,
+    activation_checkpointing: bool = False,
+    device: str = "cuda",
 ) -> dict[str, Any]:
     """Everything `zeroshard explain` shows, as a JSON-ready dict.
+
+    With a model (`model_spec`, or `hf_config`: a Hugging Face config.json) the memory plan
+    (`memory.device_peak_bytes` and the rest, tools/explain_memory.py) comes from tracing one
+    training step at `micro_batch` (default: the config's) and `seq` (default: the model's
+    longest), for `device` ("cuda": an accelerator, "cpu").
 
     Raises:
         ConfigError: for a bad config; UsageError: for a bad model spec.
@@ -171,8 +183,12 @@ def explain_data(
         "checkpointing": _checkpointing(config),
     }
     estimate: MemoryEstimate | None = None
-    if model_spec is not None:
-        model = build_model_on_meta(model_spec)
+    plan_keys: dict[str, Any] | None = None
+    if hf_config is not None:
+        model_spec = None
+    if model_spec is not None or hf_config is not None:
+        model = build_model_on_meta(model_spec) if hf_config is None else _hf_model_on_meta(hf_config)
+        model_spec = model_spec or f"hf-config {hf_config}"
         if config.expert_parallel.enabled:
             from zeroshard.moe.autoep.swap import replace_moe_layers
 
@@ -218,6 +234,19 @@ def explain_data(
                 f"every split layer and all of the rest ({sum(counts.values()):,} parameters), sharded over "
                 f"{estimate_world} data-parallel ranks"
             )
+        if expert_counts or config.expert_parallel.enabled:
+            plan_keys = states_only_keys(estimate, config, device, "MoE experts: the peak is the states and buffer "
+                                         "bounds; expert models are not traced yet")
+        elif estimate_world is not None:
+            plan_keys = states_only_keys(estimate, config, device, "tensor parallelism: the peak is the states and "
+                                         "buffer bounds of each rank's pieces; split models are not traced yet")
+        else:
+            try:
+                spec = model_spec_for(None if hf_config else model_spec, hf_config)
+                plan_keys = memory_keys(config, world_size, spec, seq=seq, micro_batch=micro_batch,
+                                        activation_checkpointing=activation_checkpointing, device=device)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         if config.optimizer is not None and config.optimizer.type.lower() == "muon":
             from zeroshard.optim.muon.optimizer import muon_param_plan
             from zeroshard.optim.muon.plan_report import muon_group_report
@@ -233,6 +262,8 @@ def explain_data(
             }
     elif num_params is not None:
         estimate = estimate_for_config(config, plan, num_params)
+        plan_keys = states_only_keys(estimate, config, device, "no model: activations are not included "
+                                     "(give --model or --hf-config for the traced peak)")
     states = optimizer_state_count(
         config.optimizer.type if config.optimizer else None, config.optimizer.params if config.optimizer else None
     )
@@ -245,6 +276,7 @@ def explain_data(
     data["memory"] = {
         "bytes_per_param": per_param,
         "estimate": estimate.as_dict() if estimate else None,
+        **(plan_keys or {}),
     }
     return data
 
@@ -274,6 +306,20 @@ def _print_tensor_parallel(console: Any, tensor: dict[str, Any]) -> None:
                       soft_wrap=True)
     for warning in tensor["warnings"]:
         console.print(f"  note: {warning}", soft_wrap=True)
+
+
+def _hf_model_on_meta(path: str) -> Any:
+    """A Hugging Face causal LM from its config, on the meta device (for the model report)."""
+    import torch
+
+    from zeroshard.memory import hf_config_spec
+
+    try:
+        spec = hf_config_spec(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    with torch.device("meta"):
+        return spec.build()
 
 
 def _print_muon_groups(console: Any, groups: list[dict[str, Any]]) -> None:
@@ -576,6 +622,8 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
         console.print(mem)
         for assumption in estimate["assumptions"]:
             console.print(f"assumed: {assumption}")
+    if memory.get("device_peak_bytes") is not None:
+        print_memory_plan(console, data)
 
     console.print("\ndefaults applied: " + (", ".join(data["defaults_applied"]) or "none"))
     console.print("accepted, no effect: " + (", ".join(data["no_effect_keys"]) or "none"))
@@ -584,8 +632,9 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
         console.print(line, highlight=False, soft_wrap=True)
 
 
-def explain_text(config: Any, world_size: int = 1, model: str | None = None, params: int | None = None) -> str:
+def explain_text(config: Any, world_size: int = 1, model: str | None = None, params: int | None = None,
+                 **kwargs: Any) -> str:
     """`print_tables(explain_data(...))` as a string (no terminal colour codes)."""
     out = io.StringIO()
-    print_tables(explain_data(config, world_size, model, params), file=out)
+    print_tables(explain_data(config, world_size, model, params, **kwargs), file=out)
     return out.getvalue()

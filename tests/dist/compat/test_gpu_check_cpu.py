@@ -26,7 +26,9 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     names = [r["name"] for r in rows]
     for prefix in ("a/conformance s3 fp16", "b/sync-debug s0", "c/newton-schulz", "d/offload s3", "e/moe layer",
                    "e/autoep", "f/matmul", "f/model plain", "f/model fsdp2", "f/model zeroshard-s3",
-                   "g/fp8 loss s3", "g/fp8 speed", "i/autotp tp2 conformance"):
+                   "g/fp8 loss s3", "g/fp8 speed", "i/memory s0", "i/memory s3",
+                   "j/model plain-compiled", "j/model zeroshard-s3-compiled",
+                   "j/model fsdp2-compiled", "k/autotp tp2 conformance"):
         assert any(n.startswith(prefix) for n in names), f"no row {prefix!r} in {names}"
     assert sum(n.startswith("a/conformance") for n in names) == 16
     # The reference on the device against the CPU (here CPU against CPU: the same kernels, zero).
@@ -38,7 +40,7 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     # The table is printed last and saved beside the JSON.
     assert result.stdout.rstrip().endswith("FAIL, " + f"{sum(r['status'] == 'skip' for r in rows)} skip")
     assert (tmp_path / "gpu_check.txt").read_text().startswith("check")
-    model_rows = [r for r in rows if r["name"].startswith("f/model")]
+    model_rows = [r for r in rows if r["name"].startswith(("f/model", "j/model"))]
     assert all(r["numbers"]["tokens_s"] > 0 for r in model_rows)
     # FLOPs per token come from the model before wrapping: the same for every engine (stage 3
     # partitions the parameters; counting them after wrapping gave it 7x too few on the GPU),

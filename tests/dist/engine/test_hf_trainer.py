@@ -113,11 +113,14 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(runs: dict) -> None
     assert other["eval_after_best"] == other["best_metric"]
 
 
-def test_torch_compile_runs_eagerly_with_the_same_losses(runs: dict) -> None:
-    # TrainingArguments(torch_compile=True): Accelerate calls engine.compile(backend, compile_kwargs);
-    # zeroshard accepts it and keeps the module eager, so the run is the stage-2 run, bit for bit.
+def test_torch_compile_compiles_every_decoder_layer_with_the_same_losses(runs: dict) -> None:
+    # TrainingArguments(torch_compile=True, torch_compile_backend="aot_eager"): Accelerate calls
+    # engine.compile(backend, compile_kwargs), which compiles each decoder layer as one graph (both
+    # layers share it); aot_eager runs the eager kernels, so the run is the stage-2 run, bit for bit.
     other = runs["rank0"]["other"]
-    assert other["is_compiled"] is False
+    assert other["is_compiled"] is True
+    assert other["compiled_regions"] == [["model.layers.0", True], ["model.layers.1", True]]
+    assert other["compiled_graphs"] == 1
     eager = {k: v for k, v in runs["rank0"]["losses"]["stage2_fp32"].items() if k != "eval"}
     assert other["compiled_losses"] == eager
 

@@ -92,8 +92,10 @@ def _reset_accelerate() -> None:
 
 
 def train(workdir: Path, name: str, deepspeed: dict | None, bf16: bool = False, save_steps: int | None = None,
-          resume: bool = False, evaluate: bool = False, torch_compile: bool = False):
-    """One Trainer run; returns (trainer, per-step losses)."""
+          resume: bool = False, evaluate: bool = False, torch_compile_backend: str | None = None):
+    """One Trainer run; returns (trainer, per-step losses). `torch_compile_backend` sets
+    `torch_compile` (Accelerate then calls `engine.compile`), on a model without a KV cache
+    in training (docs/compile.md)."""
     from transformers import Trainer, TrainingArguments
 
     _reset_accelerate()
@@ -102,9 +104,13 @@ def train(workdir: Path, name: str, deepspeed: dict | None, bf16: bool = False, 
         per_device_eval_batch_size=2, max_steps=STEPS, learning_rate=1e-3, weight_decay=0.01, logging_steps=1,
         use_cpu=True, bf16=bf16,
         deepspeed=deepspeed, report_to=[], seed=0, dataloader_drop_last=True,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, torch_compile=torch_compile,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        torch_compile=torch_compile_backend is not None, torch_compile_backend=torch_compile_backend,
     )
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(),
+    model = tiny_llama()
+    if torch_compile_backend is not None:
+        model.config.use_cache = False
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(),
                       eval_dataset=TokenDataset(n=8, seed=99))
     trainer.train(resume_from_checkpoint=True if resume else None)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
@@ -211,9 +217,15 @@ def group_other(workdir: Path) -> dict:
         out[f"{name}_eval_loss"] = trainer.evaluate()["eval_loss"]
         out[f"{name}_wrapper"] = type(trainer.model_wrapped).__name__
 
-    # torch_compile=True: Accelerate calls engine.compile(backend=..., compile_kwargs=...), which runs eagerly
-    trainer, out["compiled_losses"] = train(workdir, "compiled", ds_config(2), torch_compile=True)
+    # torch_compile=True: Accelerate calls engine.compile(backend=..., compile_kwargs=...); aot_eager runs
+    # the eager kernels (inductor's C++ compile would take minutes on this machine).
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    trainer, out["compiled_losses"] = train(workdir, "compiled", ds_config(2), torch_compile_backend="aot_eager")
     out["is_compiled"] = trainer.model_wrapped.is_compiled
+    out["compiled_regions"] = [(r.name, r.fullgraph) for r in trainer.model_wrapped.compiled_regions]
+    out["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs
 
     # offload_optimizer with the Trainer's own torch optimizer: Accelerate swaps it for DeepSpeed's host
     # optimizer of the same family (map_pytorch_optim_to_deepspeed)

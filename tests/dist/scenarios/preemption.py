@@ -167,13 +167,22 @@ def adopted_group_writes_own_files(save_dir: str) -> dict[str, Any]:
         written.append(Path(path).name)
         return original(tensors, path, *args, **kwargs)
 
+    streamed = write_module.StreamedSafetensors
+
+    class RecordingStream(streamed):  # the rank files are streamed (zeroshard/checkpoint/stream.py)
+        def __init__(self, path, *args, **kwargs):
+            written.append(Path(path).name)
+            super().__init__(path, *args, **kwargs)
+
     write_module.save_file = recording
+    write_module.StreamedSafetensors = RecordingStream
     try:
         engine = _engine(2, "fp32", save_dir)
         train(engine, 0, 2)
         engine.save_checkpoint(save_dir)
     finally:
         write_module.save_file = original
+        write_module.StreamedSafetensors = streamed
         STOP.uninstall()
     return {
         "same_group": dist.group.WORLD is world_before and engine.layout.world.handle in (None, world_before),

@@ -1,9 +1,8 @@
 """The engine surface the Hugging Face Trainer and Accelerate call, in one process: DeepSpeed's
-signatures, `engine.config.get`, the consolidated state dict's refusal below stage 3, `compile`,
-and an in-place op on the engine's output (the Trainer's `loss *= ...`)."""
+signatures, `engine.config.get`, the consolidated state dict's refusal below stage 3 and an
+in-place op on the engine's output (the Trainer's `loss *= ...`)."""
 
 import inspect
-import logging
 
 import pytest
 import torch
@@ -60,20 +59,6 @@ def test_consolidated_state_dict_below_stage3_is_deepspeeds_value_error():
         engine._zero3_consolidated_16bit_state_dict()
     with pytest.raises(ValueError, match="ZeRO stage 3"):
         engine._consolidated_16bit_state_dict()
-
-
-def test_compile_is_accepted_and_runs_eagerly(caplog):
-    engine = make_engine()
-    x = torch.randn(2, 4)
-    before = float(engine(x).detach())
-    with caplog.at_level(logging.WARNING, logger="zeroshard"):
-        engine.compile(backend="inductor", compile_kwargs={"mode": "default"})
-        engine.compile(backend="inductor", compile_kwargs={"mode": "default"})
-    assert sum("runs the module eagerly" in r.getMessage() for r in caplog.records) == 1
-    assert engine.is_compiled is False
-    assert float(engine(x).detach()) == before
-    with pytest.raises(ValueError, match="schedule"):
-        engine.compile(schedule=[(0, [])])
 
 
 def test_load_checkpoint_refuses_custom_load_fn(tmp_path):

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from zeroshard.comm import collectives as comm
 from zeroshard.comm.collectives import Group
+from zeroshard.comm.eager_regions import runs_eagerly
 from zeroshard.moe.autoep.carry import apply_marks, carried_marks
 from zeroshard.moe.autoep.dispatch import combine, dispatch
 from zeroshard.moe.autoep.expert_paths import CombineImpl, ExpertPath, choose_path, run_experts, weighted_combine
@@ -360,6 +361,7 @@ class AutoEPMoELayer(nn.Module):
     def global_expert_index(self, local_index: int) -> int:
         return self.ep_rank * self.num_local_experts + local_index
 
+    @runs_eagerly("the AutoEP layer: routing and the dropless token exchange (comm/eager_regions.py's note)")
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:  # the same draw as the Hugging Face block's

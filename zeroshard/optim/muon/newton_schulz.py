@@ -49,7 +49,11 @@ narrow it to fp16 (`ns_input_dtype`); bf16 has fp32's exponent range and may car
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -146,6 +150,8 @@ def orthogonalize(
     steps: int = DEFAULT_NS_STEPS,
     method: str = "gram",
     dtype: torch.dtype | str = "auto",
+    *,
+    iterations: NSIterations | None = None,
 ) -> torch.Tensor:
     """Newton-Schulz orthogonalization of every matrix in `matrices` (..., rows, cols).
 
@@ -158,6 +164,7 @@ def orthogonalize(
         method: "gram" (the Gram form where it is cheaper, the standard iteration for
             near-square matrices) or "standard".
         dtype: compute dtype, or "auto" (see `resolve_ns_dtype`).
+        iterations: the two iterations to run (`compiled_iterations`); None: eager.
 
     Returns:
         The orthogonalized matrices, same shape, in the compute dtype.
@@ -183,10 +190,11 @@ def orthogonalize(
     norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     x = (x / (norms + NORM_EPS)).to(compute_dtype).contiguous()
     n, m = x.shape[-2], x.shape[-1]
+    iterations = iterations or EAGER_ITERATIONS
     if method == "gram" and gram_is_cheaper(n, m, steps, GRAM_RESTARTS):
-        x = _gram(x, steps, GRAM_RESTARTS)
+        x = iterations.gram(x, steps, GRAM_RESTARTS)
     else:
-        x = _standard(x, steps)
+        x = iterations.standard(x, steps)
     if transposed:
         x = x.mT
     return x.reshape(shape)
@@ -228,3 +236,45 @@ def _gram(x: torch.Tensor, steps: int, restarts: tuple[int, ...]) -> torch.Tenso
 def update_scale(rows: int, cols: int) -> float:
     """Muon's shape factor sqrt(max(1, rows / cols)) for an update of a rows x cols matrix."""
     return math.sqrt(max(1.0, rows / cols))
+
+
+@dataclass(frozen=True)
+class NSIterations:
+    """The standard iteration and the Gram form, as `orthogonalize` runs them."""
+
+    standard: Callable[[torch.Tensor, int], torch.Tensor] = _standard
+    gram: Callable[[torch.Tensor, int, tuple[int, ...]], torch.Tensor] = _gram
+
+
+EAGER_ITERATIONS = NSIterations()
+
+
+def compiled_iterations(backend: Any = "inductor", **options: Any) -> NSIterations:
+    """Both iterations under torch.compile (`backend`, and torch.compile's `mode`/`options`).
+
+    The iterations are what costs: five rounds of batched products, which a compiler fuses with
+    their scalings. The normalisation, the transpose and the choice of form stay eager, so each
+    compiled function sees one kind of input, (B, n, m) with n <= m in the compute dtype: a first
+    shape compiles a static graph, a second one a graph with dynamic sizes that every later shape
+    shares (dynamo's default, as DeepSpeed's compiled `muon_update`), far from dynamo's limit of 8
+    per function. The same results as eager within the iterations' rounding (`aot_eager`: the same
+    kernels, the same bits)."""
+    return NSIterations(
+        torch.compile(_standard, backend=backend, **options), torch.compile(_gram, backend=backend, **options)
+    )
+
+
+def compiled_orthogonalize(backend: Any = "inductor", **options: Any) -> Callable[..., torch.Tensor]:
+    """`orthogonalize` with its iterations compiled (`compiled_iterations`)."""
+    return functools.partial(orthogonalize, iterations=compiled_iterations(backend, **options))
+
+
+class CompilableNewtonSchulz:
+    """Mixed into the Muon optimizers: `self.orthogonalize` is the Newton-Schulz they call,
+    eager until `compile_newton_schulz` (which `engine.compile()` calls)."""
+
+    orthogonalize: Callable[..., torch.Tensor] = staticmethod(orthogonalize)
+
+    def compile_newton_schulz(self, backend: Any = "inductor", **options: Any) -> None:
+        """Run Newton-Schulz's iterations compiled from the next step on (`compiled_iterations`)."""
+        self.orthogonalize = compiled_orthogonalize(backend, **options)

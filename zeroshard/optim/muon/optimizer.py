@@ -65,7 +65,7 @@ from zeroshard.optim.muon.maths import (
     fill_group_defaults,
     momentum_direction,
 )
-from zeroshard.optim.muon.newton_schulz import DEFAULT_NS_STEPS, orthogonalize, update_scale
+from zeroshard.optim.muon.newton_schulz import DEFAULT_NS_STEPS, CompilableNewtonSchulz, update_scale
 from zeroshard.optim.muon.settings import (
     ADAM_LR,
     CONFIG_KEYS,
@@ -109,7 +109,7 @@ def is_muon_requested(optimizer: Any, optimizer_config: Any) -> bool:
     return optimizer is None and optimizer_config is not None and optimizer_config.type.lower() == "muon"
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(CompilableNewtonSchulz, torch.optim.Optimizer):
     """Muon for hidden matrices and AdamW for the rest, in one optimizer (one process).
 
     Pass it to `zeroshard.initialize(optimizer=...)` and the engine runs the same update
@@ -223,7 +223,7 @@ class Muon(torch.optim.Optimizer):
             for (rows, cols), triples in by_shape.items():
                 batch = torch.cat([blocks for _, _, blocks in triples])
                 with timed("newton_schulz"):  # a Muon figure (zeroshard/monitor/timers.py)
-                    result = orthogonalize(batch, group["ns_steps"], group["ns_method"],
+                    result = self.orthogonalize(batch, group["ns_steps"], group["ns_method"],
                                            compute_dtype_of(group, batch))
                 scale = update_scale(rows, cols)
                 for (p, layout, blocks), o in zip(triples, result.split([b.shape[0] for _, _, b in triples]),

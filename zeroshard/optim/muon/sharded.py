@@ -19,7 +19,7 @@ from zeroshard.optim.muon.maths import (
     fill_group_defaults,
     momentum_direction,
 )
-from zeroshard.optim.muon.newton_schulz import ns_input_dtype, orthogonalize, update_scale
+from zeroshard.optim.muon.newton_schulz import CompilableNewtonSchulz, ns_input_dtype, update_scale
 from zeroshard.optim.muon.settings import parse_muon_params
 from zeroshard.sharding.gather import GatherPiece, all_gather_shards
 from zeroshard.sharding.ranges import overlap
@@ -106,7 +106,13 @@ def _muon_layout(flat: FlatParamGroup) -> _MuonLayout:
     return _MuonLayout(flat, tuple(tasks), max(loads))
 
 
-class ShardedMuon(torch.optim.Optimizer):
+def _gather_over_shard_group(
+    flat: FlatParamGroup, source: torch.Tensor, target: torch.Tensor, wire_dtype: torch.dtype | None = None
+) -> None:
+    all_gather_shards([GatherPiece(source, target)], group=flat.spec.shard, tag="muon", wire_dtype=wire_dtype).wait()
+
+
+class ShardedMuon(CompilableNewtonSchulz, torch.optim.Optimizer):
     """Muon over the engine's flat master tensors (see [Note: Muon in zeroshard]).
 
     Args:
@@ -128,6 +134,10 @@ class ShardedMuon(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.state_dtype = state_dtype
         self.qk_clip: Any = None  # MuonClip's QKClip (optim/muon/qk_clip/), run after each step
+        # gather(flat, source, target, wire_dtype=None): every rank's `source` into `target` over
+        # the flat's shard group. The memory prediction replays the step with one that moves
+        # nothing (zeroshard/memory/replay_step.py).
+        self.gather = _gather_over_shard_group
         self._layouts: dict[int, _MuonLayout] = {}
         if flats is not None:
             self.attach_flats(flats)
@@ -188,7 +198,7 @@ class ShardedMuon(torch.optim.Optimizer):
         else:
             wire = ns_input_dtype(compute_dtype, u.dtype)  # never fp16 before normalising
             full_u = torch.empty(flat.padded_numel, dtype=wire, device=u.device)
-            all_gather_shards([GatherPiece(u, full_u)], group=flat.spec.shard, tag="muon", wire_dtype=wire).wait()
+            self.gather(flat, u, full_u, wire)
 
         packed = torch.zeros(layout.pack_numel, dtype=compute_dtype, device=p.device)
         mine: dict[tuple[int, int], list[_MatrixTask]] = {}
@@ -198,12 +208,12 @@ class ShardedMuon(torch.optim.Optimizer):
         for tasks in mine.values():
             batch = torch.cat([t.layout.to_blocks(full_u.narrow(0, t.flat_offset, t.numel)) for t in tasks])
             with timed("newton_schulz"):  # a Muon figure (zeroshard/monitor/timers.py)
-                result = orthogonalize(batch, group["ns_steps"], group["ns_method"], compute_dtype)
+                result = self.orthogonalize(batch, group["ns_steps"], group["ns_method"], compute_dtype)
             for t, o in zip(tasks, result.split([t.blocks for t in tasks]), strict=True):
                 packed.narrow(0, t.pack_offset, t.numel).copy_(t.layout.from_blocks(o))
         if flat.shard_size > 1:
             every = torch.empty(flat.shard_size * layout.pack_numel, dtype=compute_dtype, device=p.device)
-            all_gather_shards([GatherPiece(packed, every)], group=flat.spec.shard, tag="muon").wait()
+            self.gather(flat, packed, every)
         else:
             every = packed
 
