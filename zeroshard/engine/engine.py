@@ -107,7 +107,10 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         self._cast_module(model)
         # The memory budget (zeroshard/memory/guard.py): refused here, before any flat is built,
         # if the states alone cannot fit; again at the first forward with the real inputs.
-        self.memory_guard = MemoryGuard(config, self.layout.world, self.device, traced=not self.expert_group_names)
+        self.memory_guard = MemoryGuard(
+            config, self.layout.world, self.device, traced=not self.expert_group_names and self.autotp is None,
+            untraced_reason="tensor-parallel model" if self.autotp is not None else "expert-parallel model",
+        )
         self.memory_guard.check_states(model)
         streams = streams_for(self.device)  # CUDA: gathers and reductions on their own streams
         self.units = setup.build_units(

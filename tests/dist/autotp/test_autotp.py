@@ -147,6 +147,7 @@ def test_resume_at_tensor_2_data_1(world4, world2):
     for rank, out in enumerate(world2):
         got = out["resume"]
         assert (got["tp"], got["dp"], got["step"]) == (2, 1, 3)
+        assert got["memory_check"] == (False, "tensor-parallel model"), got["memory_check"]  # a budget was set
         assert got["loaded_error"] <= FP32_TOL and got["after_error"] <= FP32_TOL, (rank, got)
         assert abs(got["loss"] - ref["losses"][2]) <= FP32_TOL and abs(got["norm"] - ref["norms"][2]) <= FP32_TOL
 

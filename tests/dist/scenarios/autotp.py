@@ -183,8 +183,11 @@ def resume(kind: str, save_dir: str, stage: int, tp: int, step: int, want: dict[
     dp = world // tp
     micro = MICRO * 2 // dp  # the saving run's global batch, cut over this run's data ranks
     model = build(kind, seed=1)  # other weights: everything must come from the checkpoint
+    # With tensor parallelism a memory budget is not checked (zeroshard/memory/guard.py): the
+    # prediction does not lay out pieces sharded over the data group.
+    budget = {"zeroshard": {"memory_budget_gb": 64}} if tp > 1 else {}
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config(stage, "fp32", tp, gas, micro=micro))
+                                      config=config(stage, "fp32", tp, gas, micro=micro, **budget))
     engine.load_checkpoint(save_dir, tag="tp")
     loaded = _weight_error(engine, want["weights"][step - 1])
     rank = engine.data_parallel_rank
@@ -197,7 +200,8 @@ def resume(kind: str, save_dir: str, stage: int, tp: int, step: int, want: dict[
         total += _global_loss(loss, engine) / gas
     return {"loaded_error": loaded, "loss": total, "norm": engine.get_global_grad_norm(),
             "after_error": _weight_error(engine, want["weights"][step]), "tp": engine.mp_world_size,
-            "dp": engine.dp_world_size, "step": engine.global_steps}
+            "dp": engine.dp_world_size, "step": engine.global_steps,
+            "memory_check": (engine.memory_guard.on, engine.memory_guard.source)}
 
 
 def input_check() -> str:
