@@ -39,6 +39,61 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def grid_rows(models: list[str], precisions: list[str], stages: list[int], gas_list: list[int], steps: int, tp: int,
+              baseline: bool) -> list[dict]:
+    """The grid on the default process group: every rank calls it and gets its own rows (rank 0's
+    are printed). tests/dist/scenarios/autotp.py's world-2 task runs one cell of it, so this glue
+    is exercised by the suite."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.dist.scenarios import autotp as scenario
+    from tests.unit.autotp import models as tiny
+
+    world = dist.get_world_size()
+    build = scenario.build
+    rows = []
+    try:
+        for model_name in models:
+            overrides = MODELS[model_name]
+            # The scenario builds by kind; the grid's variants change the config of that kind.
+            scenario.build = lambda k, seed=0, device=None, _o=overrides: tiny.build(k, seed, device, **_o)
+            kind = model_name.split("-")[0]
+            for precision in precisions:
+                for gas in gas_list:
+                    dp = world // tp
+                    ref = scenario.reference(kind, precision, steps, dp, gas)
+                    for stage in stages:
+                        engine, got = scenario.train(kind, precision, stage, steps, gas, tp=tp, record=True)
+                        per_step = got["train_s"] / steps
+                        # ds_shape: a stage-3 parameter outside a gather is empty (its piece's shape is kept)
+                        local = sum(torch.Size(getattr(p, "ds_shape", p.shape)).numel()
+                                    for p in engine.module.parameters())
+                        error = scenario._weight_error(engine, ref["weights"][steps - 1])
+                        tensor = [c for c in got["collectives"] if c[0].startswith("tp.")]
+                        rows.append({
+                            "model": model_name, "precision": precision, "stage": stage, "gas": gas,
+                            "tp": tp, "dp": dp,
+                            "loss_diff": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
+                            "norm_diff": max(abs(a - b) for a, b in zip(got["norms"], ref["norms"], strict=True)),
+                            "first_loss_diff": abs(got["losses"][0] - ref["losses"][0]),
+                            "weight_error": error,
+                            "tp_collectives_per_micro_step": len(tensor),
+                            "params_per_rank": local,
+                            "s_per_step": per_step,
+                        })
+                        del engine
+                    if baseline:
+                        engine, got = scenario.train(kind, precision, 2, steps, gas, tp=1)
+                        rows.append({"model": model_name, "precision": precision, "stage": 2, "gas": gas, "tp": 1,
+                                     "dp": world, "s_per_step": got["train_s"] / steps,
+                                     "params_per_rank": sum(p.numel() for p in engine.module.parameters())})
+                        del engine
+    finally:
+        scenario.build = build
+    return rows
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -47,45 +102,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import zeroshard
-    from tests.dist.scenarios import autotp as scenario
-    from tests.unit.autotp import models
 
     zeroshard.init_distributed("gloo")
-    rows = []
-    for model_name in args.models:
-        kind = model_name.split("-")[0]
-        overrides = MODELS[model_name]
-        # The scenario builds by kind; the grid's variants change the config of that kind.
-        scenario.build = lambda k, seed=0, device=None, _o=overrides: models.build(k, seed, device, **_o)
-        for precision in args.precisions:
-            for gas in args.gas:
-                dp = world // args.tp
-                ref = scenario.reference(kind, precision, args.steps, dp, gas)
-                for stage in args.stages:
-                    engine, got = scenario.train(kind, precision, stage, args.steps, gas, tp=args.tp, record=True)
-                    per_step = got["train_s"] / args.steps
-                    # ds_shape: a stage-3 parameter outside a gather is empty (its piece's shape is kept)
-                    local = sum(torch.Size(getattr(p, "ds_shape", p.shape)).numel() for p in engine.module.parameters())
-                    error = scenario._weight_error(engine, ref["weights"][args.steps - 1])
-                    tensor = [c for c in got["collectives"] if c[0].startswith("tp.")]
-                    rows.append({
-                        "model": model_name, "precision": precision, "stage": stage, "gas": gas,
-                        "tp": args.tp, "dp": dp,
-                        "loss_diff": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
-                        "norm_diff": max(abs(a - b) for a, b in zip(got["norms"], ref["norms"], strict=True)),
-                        "first_loss_diff": abs(got["losses"][0] - ref["losses"][0]),
-                        "weight_error": error,
-                        "tp_collectives_per_micro_step": len(tensor),
-                        "params_per_rank": local,
-                        "s_per_step": per_step,
-                    })
-                    del engine
-                if args.baseline:
-                    engine, got = scenario.train(kind, precision, 2, args.steps, gas, tp=1)
-                    rows.append({"model": model_name, "precision": precision, "stage": 2, "gas": gas, "tp": 1,
-                                 "dp": world, "s_per_step": got["train_s"] / args.steps,
-                                 "params_per_rank": sum(p.numel() for p in engine.module.parameters())})
-                    del engine
+    rows = grid_rows(args.models, args.precisions, args.stages, args.gas, args.steps, args.tp, args.baseline)
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
     dist.barrier()

@@ -162,6 +162,19 @@ def test_deepspeed_autotp_checkpoint_resumes_at_its_layout(world2):
         assert got["after_error"] <= FP32_TOL, (rank, got)
 
 
+def test_the_benchmarks_cell(world2):
+    """benchmarks/autotp_conformance.py's code on one cell (the GPU check runs its grid): fp32
+    losses and norms within FP32_TOL of the unsplit model, 10 tensor exchanges per micro-step
+    (two blocks: 4 + 1 forward, 4 + 1 backward, as test_tensor_collectives_per_step), and each
+    rank holding fewer parameters than the whole model."""
+    for rank, out in enumerate(world2):
+        (row,), whole = out["benchmark"]["rows"], out["benchmark"]["whole_params"]
+        assert (row["tp"], row["dp"], row["stage"]) == (2, 1, 3), row
+        assert row["loss_diff"] <= FP32_TOL and row["norm_diff"] <= FP32_TOL, (rank, row)
+        assert row["tp_collectives_per_micro_step"] == 10, (rank, row)
+        assert whole // 2 < row["params_per_rank"] < whole, (rank, row, whole)
+
+
 def test_16bit_export_is_the_whole_model_and_from_pretrained_loads_it(world4):
     case = world4[0]["cases"][("llama", "fp32", 3, "")]
     exported, loaded, want = case["export"]["state"], case["export"]["loaded"], case["export_reference"]

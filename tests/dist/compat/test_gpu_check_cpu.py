@@ -2,8 +2,8 @@
 
 The GPU run happens elsewhere (a leased machine); this keeps the script from rotting between
 runs. Every row must be ok, except those that need CUDA (the host-sync checks) and the optional
-expert-path benchmark when its script is absent, and the fp8 speed row (an fp8 GPU only), which are
-skips.
+expert-path benchmark when its script is absent, the fp8 speed row (an fp8 GPU only), and the
+AutoTP row (on the CPU the suite runs its grid's cell: tests/dist/autotp), which are skips.
 """
 
 import json
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-MAY_SKIP = ("b/sync-debug", "f/moe_experts", "g/fp8 speed")
+MAY_SKIP = ("b/sync-debug", "f/moe_experts", "g/fp8 speed", "k/autotp")
 
 
 def test_gpu_check_runs_on_cpu(tmp_path):

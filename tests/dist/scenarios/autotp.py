@@ -332,7 +332,17 @@ def resume_deepspeed_autotp() -> dict[str, Any]:
     return {"loaded_error": loaded, "after_error": error(want["after"][tp_rank])}
 
 
+def benchmark_cell() -> dict[str, Any]:
+    """One cell of benchmarks/autotp_conformance.py's grid (Llama fp32, stage 3, accumulation 2,
+    tp 2 x dp 1) through the benchmark's own code, which the GPU check runs; and the unsplit
+    model's parameter count."""
+    from benchmarks.autotp_conformance import grid_rows
+
+    return {"rows": grid_rows(["llama"], ["fp32"], [3], [2], steps=2, tp=2, baseline=False),
+            "whole_params": sum(p.numel() for p in build("llama").parameters())}
+
+
 def world2(workdir: str) -> dict[str, Any]:
-    """Everything the world-2 pool runs: the world-4 checkpoint resumed at tp 2 x dp 1, and
-    DeepSpeed's own AutoTP checkpoint resumed at its layout."""
-    return {"resume": resume_tp2_dp1(workdir), "deepspeed": resume_deepspeed_autotp()}
+    """Everything the world-2 pool runs: the world-4 checkpoint resumed at tp 2 x dp 1,
+    DeepSpeed's own AutoTP checkpoint resumed at its layout, and the benchmark's cell."""
+    return {"resume": resume_tp2_dp1(workdir), "deepspeed": resume_deepspeed_autotp(), "benchmark": benchmark_cell()}
