@@ -40,6 +40,8 @@ __all__ = ["PeakMemory", "live_tensor_bytes"]
 def live_tensor_bytes(device_type: str = "cpu") -> int:
     """Bytes of every distinct storage a live tensor on `device_type` holds (a parameter's
     .grad included), each storage once."""
+    from torch._subclasses.fake_tensor import is_fake
+
     gc.collect()
     seen: dict[int, int] = {}
     with warnings.catch_warnings():
@@ -47,10 +49,17 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
         objects = [obj for obj in gc.get_objects() if _is_tensor(obj)]
     for obj in objects:
         for t in (obj, getattr(obj, "grad", None)) if isinstance(obj, torch.nn.Parameter) else (obj,):
-            if t is None or t.device.type != device_type:
+            if t is None or t.device.type != device_type or is_fake(t):
                 continue
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+            try:
+                storage = t.untyped_storage()
+                pointer = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                # A fake or functional tensor (another part of the process traced on fake
+                # tensors: issue 39's memory plan, torch.compile) or a wrapper subclass: no bytes
+                # of its own; a wrapper's inner tensors are counted as tensors themselves.
+                continue
+            seen[pointer] = max(seen.get(pointer, 0), storage.nbytes())
     return sum(seen.values())
 
 
