@@ -70,6 +70,25 @@ def hang_row(device: torch.device) -> dict:
     return "ok", numbers, diagnosis
 
 
+def autotp_row(device: torch.device, outdir: Path) -> dict:
+    """benchmarks/autotp_conformance.py --quick: tensor parallelism against the unsplit model (fp32
+    within 1e-5), the exchanges per micro-step and the parameters per rank. Its processes talk over
+    gloo on the CPU whatever the device: a tensor group needs one device per rank, and this check has
+    one (a GPU measurement needs 2+ GPUs or a simulated group): not measured on a GPU. Skipped on
+    the CPU: there it is the suite's own run (tests/dist/autotp/test_autotp.py runs a cell of this
+    grid through the same code), and a second start of its processes cost the suite ~10 s."""
+    if device.type != "cuda":
+        raise Skip("on the CPU the suite runs this grid's cell (tests/dist/autotp/test_autotp.py)")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "autotp_conformance.py"), "--world", "2", "--tp", "2",
+           "--steps", "2", "--no-baseline", "--quick", "--json", str(outdir / "autotp_conformance.json")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=170, env=env)
+    tail = (result.stdout + result.stderr)[-1500:]
+    if result.returncode != 0:
+        return "FAIL", {"rc": result.returncode, "cmd": " ".join(cmd[1:])}, tail
+    return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": result.stdout.strip().splitlines()[-4:]}, ""
+
+
 def simulated_rows(row, device: torch.device) -> None:
     """Check h: zeroshard simulate's scaling grid (benchmarks/simulate_scale.py; on the CPU its first
     row), zeroshard beside FSDP2, and the world-1 row against a real world-1 run (within 10%)."""
@@ -159,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     row("e/autoep mixtral vs cpu", lambda: numerics.autoep_layer(device), 90)
     row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 200 if not args.quick else 130)
     row("f/muon_step", lambda: muon_row(device, args.outdir), 220 if on_gpu else 160)
+    row("l/autotp tp2 conformance (gloo)", lambda: autotp_row(device, args.outdir), 180)
 
     from benchmarks.gpu_check import fp8
 

@@ -71,6 +71,7 @@ from zeroshard.config.sections import (
     canonical_dtype_name,
 )
 from zeroshard.config.suggest import did_you_mean
+from zeroshard.config.tensor_parallel import TensorParallelConfig
 
 __all__ = [
     "BF16Config",
@@ -167,6 +168,8 @@ class ZeroshardConfig(_Section):
     zeroshard: ZeroshardExtras = Field(default_factory=ZeroshardExtras)
     # AutoEP: swap a Hugging Face model's MoE blocks for expert-parallel layers (docs/moe.md).
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    # AutoTP: split Linear layers over groups of consecutive ranks (docs/tensor-parallel.md).
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     # engine.compile(): torch.compile unit by unit; DeepCompile's keys refused (zeroshard/config/compile.py).
     compile: CompileConfig = Field(default_factory=CompileConfig)
     # zeroshard/monitor/: the step-time breakdown, FLOPs/MFU and the collective summary.
@@ -208,7 +211,7 @@ class ZeroshardConfig(_Section):
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
         {"optimizer", "scheduler", "seed", "train_batch_size", "train_micro_batch_size_per_gpu",
          "gradient_accumulation_steps", "sequence_parallel_size", "data_parallel_size",
-         "tensorboard", "wandb", "csv_monitor", "preemption", "compile"}
+         "tensorboard", "wandb", "csv_monitor", "preemption", "tensor_parallel", "compile"}
     )
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
         "amp": _Unsupported(_disabled_section, "Use 'bf16', 'fp16' or 'torch_autocast'."),
@@ -226,10 +229,6 @@ class ZeroshardConfig(_Section):
         "eigenvalue": _Unsupported(_disabled_section, "Remove it."),
         "progressive_layer_drop": _Unsupported(_disabled_section, "Remove it."),
         "weight_quantization": _Unsupported(_empty, "Remove it."),
-        "tensor_parallel": _Unsupported(
-            lambda v: _empty(v) or (isinstance(v, dict) and v.get("autotp_size", 1) in (0, 1)),
-            "zeroshard is data-parallel only; remove it.",
-        ),
         "sparse_gradients": _Unsupported(_equals(False), "Gradients are dense; remove it."),
         "prescale_gradients": _Unsupported(
             _equals(False), "Gradients are averaged after the reduction; remove it."

@@ -98,11 +98,20 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         self.autoep_settings = transforms.autoep_settings
         self._load_balancer = transforms.load_balancer
         self.expert_group_names = transforms.expert_group_names
+        # AutoTP: the split (plan, group); the first batch is checked equal across the tensor group.
+        self.autotp = transforms.autotp
+        if self.autotp is not None:
+            from zeroshard.autotp.input_check import check_inputs_once
+
+            check_inputs_once(model, self.layout.tensor)
         self.fp8_modules = setup.apply_fp8_compute(model, plan, self.device)
         self._cast_module(model)
         # The memory budget (zeroshard/memory/guard.py): refused here, before any flat is built,
         # if the states alone cannot fit; again at the first forward with the real inputs.
-        self.memory_guard = MemoryGuard(config, self.layout.world, self.device, traced=not self.expert_group_names)
+        self.memory_guard = MemoryGuard(
+            config, self.layout.world, self.device, traced=not self.expert_group_names and self.autotp is None,
+            untraced_reason="tensor-parallel model" if self.autotp is not None else "expert-parallel model",
+        )
         self.memory_guard.check_states(model)
         streams = streams_for(self.device)  # CUDA: gathers and reductions on their own streams
         self.units = setup.build_units(
@@ -438,7 +447,26 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
     @property
     def data_parallel_group(self) -> Any:
         """The data-parallel torch ProcessGroup: ranks that see different samples."""
-        return (self.layout.data if self.layout.data is not None else self.layout.world).handle
+        return (self.layout.data or self.layout.tensor_data or self.layout.world).handle
+
+    @property
+    def dp_world_size(self) -> int:
+        """DeepSpeed's name: ranks that see different samples."""
+        return self.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the ranks that see different samples."""
+        return (self.layout.data or self.layout.tensor_data or self.layout.world).rank
+
+    @property
+    def mp_world_size(self) -> int:
+        """DeepSpeed's name: the tensor-parallel size (1 without AutoTP)."""
+        return self.layout.tensor_parallel_size
+
+    def autotp_size(self) -> int:
+        """`tensor_parallel.autotp_size` (DeepSpeed's engine method; 0 when off, as written)."""
+        return self.config.tensor_parallel.autotp_size
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)

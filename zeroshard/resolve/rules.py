@@ -31,6 +31,7 @@ from zeroshard.optim import schedulers
 from zeroshard.optim.build import state_dtype_problem
 from zeroshard.optim.muon.optimizer import muon_param_problems
 from zeroshard.precision.plan import resolve_precision_plan
+from zeroshard.resolve.tensor_parallel import tensor_parallel_problems
 from zeroshard.sharding.stages import stage_policy
 
 __all__ = ["resolve_config"]
@@ -75,6 +76,8 @@ def resolve_config(
         extras = cfg.zeroshard
         problems.extend(resolve_timeouts(
             extras.hang_timeout_s, extras.hang_first_step_timeout_s, extras.collective_timeout_s)[1])
+    if "tensor_parallel" not in tainted:
+        problems.extend(tensor_parallel_problems(cfg, world_size, plan.mode if plan is not None else None))
     optimizer = cfg.optimizer
     if optimizer is not None and "optimizer" not in tainted:
         if optimizer.type.lower() == "muon":

@@ -205,8 +205,8 @@ class OptimizerStep:
             grad = flat.master.grad
             shard = grad if flat.policy.shard_optimizer else flat.shard_of(grad)
             partial = shard.float().pow(2).sum()
-            if flat.spec.replication > 1:
-                partial = partial / flat.spec.replication
+            if flat.spec.copies > 1:
+                partial = partial / flat.spec.copies
             partials.append(partial)
         total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
         world = self.layout.world
