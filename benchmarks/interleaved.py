@@ -5,6 +5,7 @@
     python benchmarks/interleaved.py --config-extra '{"zero_optimization": {"reduce_bucket_size": 200000}}'
     python benchmarks/interleaved.py --engines s0,s0-det,s1,s1-det,s2,s2-det,s3,s3-det   # the mode's cost
     python benchmarks/interleaved.py --device cuda --mode bf16   # NCCL, one GPU per rank
+    python benchmarks/interleaved.py --engines s2-bare,s2,s3-bare,s3   # the hang watchdog's cost
     git worktree add /tmp/before <commit>                      # before/after a change:
     python benchmarks/interleaved.py --zeroshard-root /tmp/before --json before.json
 
@@ -99,14 +100,25 @@ def _zeroshard_runner(workload, mode: str, name: str, extra: dict, device: torch
     if variant == "det":  # the deterministic reduction (docs/deterministic-reduction.md)
         config = _merge(config, {"zeroshard": {"deterministic_reduction": True}})
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if variant in ("", "det"):
-        pass
-    elif variant == "nodirectuse":
+    if variant == "nodirectuse":
         # Stage 3 without its direct-use mode (zeroshard/sharding/direct_use.py): the floor its
         # cost is measured against. Only for models that use no parameter outside its unit.
         engine._grads.params._mode = None
-    else:
-        raise ValueError(f"--engines {name}: unknown variant {variant!r} (known: nodirectuse, det)")
+    elif variant == "det":
+        pass  # the config above
+    elif variant == "bare":
+        # Its collectives neither recorded for the hang watchdog nor put on their phase's
+        # channel, waited for plainly (zeroshard/comm/progress.py's `bypassed`): the floor the
+        # watchdog's cost is measured against (the watchdog thread itself runs for both).
+        from zeroshard.comm import progress
+
+        def bare(x, y):
+            with progress.bypassed():
+                return deepspeed_style_step(engine, x, y, device=device)[1]
+
+        return bare
+    elif variant:
+        raise ValueError(f"--engines {name}: unknown variant {variant!r} (known: nodirectuse, det, bare)")
     return lambda x, y: deepspeed_style_step(engine, x, y, device=device)[1]
 
 
@@ -174,7 +186,18 @@ def _measure(rank: int, args: argparse.Namespace, device: torch.device) -> dict 
         for name in names:
             median = statistics.median(times[name])
             fwd, bwd, opt = (statistics.median(p[j] for p in phases[name]) for j in range(3))
+            # Step by step against the first engine (the same batch, moments apart), then the
+            # median: steadier than a ratio of medians when the machine's load moves a lot.
+            paired = statistics.median(t / b for t, b in zip(times[name], times[names[0]], strict=True))
+            paired_cpu = statistics.median(t / b for t, b in zip(cpu[name], cpu[names[0]], strict=True))
+            # sN against sN-bare when both ran: the hang watchdog's cost, paired the same way.
+            bare = f"{name}-bare" if f"{name}-bare" in times else None
             rows.append({"engine": name, "step_ms": median, "ratio": median / base,
+                         "paired_ratio": paired, "paired_cpu_ratio": paired_cpu,
+                         "paired_vs_bare": None if bare is None else statistics.median(
+                             t / b for t, b in zip(times[name], times[bare], strict=True)),
+                         "paired_cpu_vs_bare": None if bare is None else statistics.median(
+                             t / b for t, b in zip(cpu[name], cpu[bare], strict=True)),
                          "cpu_ms": statistics.median(cpu[name]),
                          "cpu_ratio": statistics.median(cpu[name]) / cpu_base,
                          "forward_ms": fwd, "backward_ms": bwd, "step_phase_ms": opt,
@@ -196,7 +219,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r")
     parser.add_argument("--engines", default="ddp,s0,s1,s2,s3", help="ddp and/or sN (zeroshard stage N); "
-                        "ratios are to the first; s3-nodirectuse: stage 3 without its direct-use mode; sN-det: "
+                        "ratios are to the first; s3-nodirectuse: stage 3 without its direct-use mode; sN-bare: "
+                        "stage N without the hang watchdog's record and channels (docs/reliability.md); sN-det: "
                         "stage N with the deterministic reduction")
     parser.add_argument("--config-extra", default="{}", help="JSON merged into every zeroshard config, e.g. "
                         "'{\"zero_optimization\": {\"reduce_bucket_size\": 200000}}'")
@@ -229,6 +253,12 @@ def main() -> None:
         print(f"{r['engine']:>7} {r['step_ms']:>8.1f} {r['ratio']:>6.3f} {r['forward_ms']:>7.1f} "
               f"{r['backward_ms']:>7.1f} {r['step_phase_ms']:>7.1f} {r['cpu_ms']:>7.1f} {r['cpu_ratio']:>6.3f}"
               + (f" {r['step_peak_over_resting_mib']:>13.1f}" if gpu else ""))
+    paired = (f"{r['engine']} {r['paired_ratio']:.3f} (cpu {r['paired_cpu_ratio']:.3f})" for r in result["rows"])
+    print(f"paired with {result['rows'][0]['engine']} step by step (median of per-step ratios): " + ", ".join(paired))
+    against_bare = [f"{r['engine']} {r['paired_vs_bare']:.3f} (cpu {r['paired_cpu_vs_bare']:.3f})"
+                    for r in result["rows"] if r.get("paired_vs_bare") is not None]
+    if against_bare:
+        print("paired with its -bare run (the hang watchdog's record and channels): " + ", ".join(against_bare))
     print(f"wrote {args.json}", file=sys.stderr)
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
+    "tp_model_init",
     "__version__",
 ]
 
@@ -38,6 +39,8 @@ _LAZY_NAMES = {
     "DeepSpeedEngine": ("zeroshard.engine.engine", "Engine"),  # the engine class, for isinstance
     "logger": ("zeroshard.monitor.log", "logger"),
     "log_dist": ("zeroshard.monitor.log", "log_dist"),
+    # AutoTP: records the tensor-parallel arguments for the next initialize (DeepSpeed 0.19.8's).
+    "tp_model_init": ("zeroshard.autotp.model_init", "tp_model_init"),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -52,6 +53,40 @@ def muon_row(device: torch.device, outdir: Path) -> dict:
     if result.returncode != 0:
         return "FAIL", {"rc": result.returncode, "cmd": " ".join(cmd[1:])}, tail
     return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": result.stdout.strip().splitlines()[-9:]}, ""
+
+
+def hang_row(device: torch.device) -> dict:
+    """benchmarks/gpu_check/hang.py in a process of its own (it aborts its NCCL group): the hang
+    watchdog at world 1 plus a simulated peer, the diagnosis raised on the main thread and, on
+    CUDA, the communicators aborted only after it was stored."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check.hang", "--device", device.type]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        return "FAIL", {"rc": result.returncode}, (result.stdout + result.stderr)[-1500:]
+    numbers = json.loads(lines[-1])
+    diagnosis = numbers.pop("diagnosis")
+    return "ok", numbers, diagnosis
+
+
+def autotp_row(device: torch.device, outdir: Path) -> dict:
+    """benchmarks/autotp_conformance.py --quick: tensor parallelism against the unsplit model (fp32
+    within 1e-5), the exchanges per micro-step and the parameters per rank. Its processes talk over
+    gloo on the CPU whatever the device: a tensor group needs one device per rank, and this check has
+    one (a GPU measurement needs 2+ GPUs or a simulated group): not measured on a GPU. Skipped on
+    the CPU: there it is the suite's own run (tests/dist/autotp/test_autotp.py runs a cell of this
+    grid through the same code), and a second start of its processes cost the suite ~10 s."""
+    if device.type != "cuda":
+        raise Skip("on the CPU the suite runs this grid's cell (tests/dist/autotp/test_autotp.py)")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "autotp_conformance.py"), "--world", "2", "--tp", "2",
+           "--steps", "2", "--no-baseline", "--quick", "--json", str(outdir / "autotp_conformance.json")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=170, env=env)
+    tail = (result.stdout + result.stderr)[-1500:]
+    if result.returncode != 0:
+        return "FAIL", {"rc": result.returncode, "cmd": " ".join(cmd[1:])}, tail
+    return "ok", {"rc": 0, "cmd": " ".join(cmd[1:]), "tail": result.stdout.strip().splitlines()[-4:]}, ""
 
 
 def simulated_rows(row, device: torch.device) -> None:
@@ -143,12 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     row("e/autoep mixtral vs cpu", lambda: numerics.autoep_layer(device), 90)
     row("f/moe_experts (optional)", lambda: experts_row(device, args.quick), 200 if not args.quick else 130)
     row("f/muon_step", lambda: muon_row(device, args.outdir), 220 if on_gpu else 160)
+    row("l/autotp tp2 conformance (gloo)", lambda: autotp_row(device, args.outdir), 180)
 
     from benchmarks.gpu_check import fp8
 
     for stage in conformance.STAGES if on_gpu else (3,):
         row(f"g/fp8 loss s{stage}", lambda s=stage: fp8.fp8_loss(s, device), 120)
     row("g/fp8 speed 8b-shaped", lambda: fp8.fp8_speed(device), 240)
+    row(f"k/hang watchdog {'nccl' if on_gpu else 'gloo'} + simulated peer", lambda: hang_row(device), 120)
 
     from benchmarks.gpu_check import deterministic
 
@@ -156,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     # proves the mode on the CPU): one cell.
     for stage in conformance.STAGES if on_gpu else (3,):
         for mode in ("fp32", "bf16") if on_gpu else ("bf16",):
-            row(f"k/deterministic s{stage} {mode}",
+            row(f"m/deterministic s{stage} {mode}",
                 lambda s=stage, m=mode: deterministic.tree_on_device(s, m, device), 60)
 
     size = model_bench.BenchSize.for_device(device, args.quick)

@@ -1,4 +1,4 @@
-"""Check k: the deterministic reduction on the device (docs/deterministic-reduction.md), in the GPU
+"""Check m: the deterministic reduction on the device (docs/deterministic-reduction.md), in the GPU
 check's group of one.
 
 `tree_on_device(stage, mode, device)`: the tests' TinyModel with "zeroshard":

@@ -4,9 +4,9 @@
 
 MODE "sigstop": rank 1 stops itself (SIGSTOP) after its forward of step 1, holding its
 connections open, as a frozen process does. MODE "kill": rank 1 kills itself (SIGKILL) there.
-Rank 0 goes on into the backward's collectives; it prints "COLLECTIVE_ERROR <message>" to
-stderr and exits 3 when it gets zeroshard's CollectiveError, 0 if it finishes, 1 on any other
-error. It runs with zeroshard.collective_timeout_s = TIMEOUT_S.
+Rank 0 goes on into the backward's collectives; it prints "COLLECTIVE_ERROR <type> <message>"
+to stderr and exits 3 when it gets zeroshard's CollectiveError (the hang watchdog's HangError is
+one), 0 if it finishes, 1 on any other error. It runs with zeroshard.collective_timeout_s = TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> int:
             engine.backward(loss)
             engine.step()
         except CollectiveError as exc:
-            print(f"COLLECTIVE_ERROR {exc}", file=sys.stderr, flush=True)
+            print(f"COLLECTIVE_ERROR {type(exc).__name__} {exc}", file=sys.stderr, flush=True)
             os._exit(3)  # the group is broken: leave without tearing it down
     return 0
 

@@ -59,7 +59,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DistPool", "DistTaskError", "DistTimeoutError", "close_shared_pools", "shared_pool"]
+__all__ = ["DistPool", "DistTaskError", "DistTimeoutError", "close_shared_pools", "discard_workers", "shared_pool"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,10 +80,10 @@ OUTPUT_TAIL_LINES = 40
 # a process group or touched a GPU, so forking it carries none of fork()'s usual hazards.
 # "spawn" starts each worker from scratch; set the variable to "spawn" to rule the
 # forkserver out when debugging something odd.
-# torch._dynamo too: the first torch.optim optimizer a process builds imports it (with sympy),
-# 1.4 CPU-s per worker measured here, paid again by every worker of every pool start (eight
-# workers: 11 CPU-s, six seconds of the CI's two cores). Imported once in the server, it is 0.25.
 START_METHOD_ENV = "ZEROSHARD_DIST_START_METHOD"
+# torch._dynamo: the first torch optimizer imports it (measured 7 s of CPU on a loaded 2-core
+# machine), so without it every fresh worker paid that on its first engine; importing it starts
+# no thread, so forking after it is as safe as after torch.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest"]
 
 TaskFn = Callable[..., Any] | str
@@ -108,6 +108,16 @@ class DistTimeoutError(DistTaskError):
 # ---------------------------------------------------------------------------------------------
 
 _stack_file = None  # kept open for faulthandler for the worker's lifetime
+_discard = False  # set by discard_workers(): this worker leaves after its task
+
+
+def discard_workers() -> None:
+    """Rank-side: this worker's process group cannot be used again (the task left collectives
+    in flight, as a diagnosed hang does: zeroshard/comm/watchdog.py). After the task the pool
+    ends its workers without `destroy_process_group`, which would wait for those collectives
+    until they time out, and the next `run` starts fresh ones."""
+    global _discard
+    _discard = True
 
 
 def _resolve_task(spec: str) -> Callable[..., Any]:
@@ -176,9 +186,9 @@ def _run_one_task(payload: bytes, env: dict[str, str]) -> bytes:
         fn = _resolve_task(task) if isinstance(task, str) else task
         _reset_between_tasks(env)
         result = _to_cpu(fn(*args, **kwargs))
-        reply = pickle.dumps(("ok", result, dist.is_initialized()), protocol=pickle.HIGHEST_PROTOCOL)
+        reply = pickle.dumps(("ok", result, dist.is_initialized() and not _discard), protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException:  # pytest.fail / skip raise BaseException subclasses; report them too
-        reply = pickle.dumps(("error", traceback.format_exc(), dist.is_initialized()))
+        reply = pickle.dumps(("error", traceback.format_exc(), dist.is_initialized() and not _discard))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -256,6 +266,8 @@ def _worker_main(
         if payload == _STOP:
             break
         conn.send_bytes(_run_one_task(payload, env))
+    if _discard:
+        os._exit(0)  # see discard_workers
     if dist.is_initialized():
         dist.destroy_process_group()
 

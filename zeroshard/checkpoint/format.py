@@ -35,6 +35,15 @@ in the rank's `master/flat1` tensor (and in its `state.*/flat1` tensors, which s
 layout). Padding is never saved: it is zero and stays zero, so a loader on any world size
 rebuilds its own padding. Loading therefore never needs the saving run's flat layout, only
 the parameter names; the flat layouts are recorded in the index for people who read it.
+
+With tensor parallelism (index version 2) a split parameter keeps its whole `shape` and says
+how it was cut, `"tensor_parallel": {"dim": 1, "parts": 2, "sub_sizes": null}`
+([Note: tensor-parallel splits] in zeroshard/autotp/split.py); it is saved as its pieces, each
+fragment naming its piece (`"tp_index"`), `offset` counted inside that piece. The fragments of
+each piece tile it. A parameter tensor parallelism keeps whole is indexed from tensor rank 0's
+files only. A loader at another tensor-parallel size assembles the pieces that overlap its own
+(one parameter at a time) and cuts its piece out. Checkpoints without tensor parallelism stay
+version 1, unchanged.
 """
 
 from __future__ import annotations
@@ -49,12 +58,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from zeroshard.autotp.split import TensorSplit
 from zeroshard.checkpoint.base import CheckpointError, rank_file_name
 from zeroshard.checkpoint.validate import check_index_geometry, flat_lengths
 from zeroshard.sharding.ranges import overlap
 
 FORMAT_NAME = "zeroshard-checkpoint"
 FORMAT_VERSION = 1
+TENSOR_PARALLEL_VERSION = 2  # split parameters saved as their pieces
+READABLE_VERSIONS = (FORMAT_VERSION, TENSOR_PARALLEL_VERSION)
 
 INDEX_FILE = "index.json"
 # sha256 of index.json, written after it; the index cannot hold its own digest.
@@ -250,9 +262,10 @@ def load_index(tag_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: JSON nested too deeply to be a checkpoint index.") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{path}: not a zeroshard checkpoint index.")
-    if index.get("version") != FORMAT_VERSION:
+    if index.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{path}: format version {index.get('version')}, this zeroshard reads version {FORMAT_VERSION}."
+            f"{path}: format version {index.get('version')}, this zeroshard reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}."
         )
     if expected is None:
         if index.get("index_digest") is not None:
@@ -384,15 +397,29 @@ class CheckpointReader:
         return self._get(EXTRAS_FILE, name)
 
     # -- parameters
-    def read_range(self, name: str, kind: str, start: int, length: int) -> torch.Tensor:
-        """Elements [start, start + length) of parameter `name`'s flattened `kind` tensor.
+    def split_of(self, name: str, index: int = 0) -> TensorSplit | None:
+        """How parameter `name` was cut for tensor parallelism (its piece `index`), or None."""
+        entry = self.index["params"][name]
+        if "tensor_parallel" not in entry:
+            return None
+        return TensorSplit.from_json(entry["tensor_parallel"], entry["shape"], index)
+
+    def read_range(self, name: str, kind: str, start: int, length: int, tp_index: int | None = None) -> torch.Tensor:
+        """Elements [start, start + length) of parameter `name`'s flattened `kind` tensor (of its
+        piece `tp_index`, for a parameter saved as tensor-parallel pieces).
 
         Assembled from every fragment that overlaps the range, in the saved dtype.
         """
         entry = self.index["params"][name]
+        if ("tensor_parallel" in entry) != (tp_index is not None):
+            raise CheckpointError(
+                f"{self.tag_dir / INDEX_FILE}: parameter {name} is " + ("" if "tensor_parallel" in entry else "not ")
+                + "saved as tensor-parallel pieces; read it with read_full."
+            )
+        fragments = [f for f in entry["fragments"] if f.get("tp_index") == tp_index]
         pieces = []
         stop = start + length
-        for frag in sorted(entry["fragments"], key=lambda f: f["offset"]):
+        for frag in sorted(fragments, key=lambda f: f["offset"]):
             common = overlap(start, stop, frag["offset"], frag["offset"] + frag["numel"])
             if common is None:
                 continue
@@ -416,13 +443,38 @@ class CheckpointReader:
             return str_to_dtype(entry["master_dtype"])
         return str_to_dtype(entry["optimizer_state"][kind.removeprefix("state.")])
 
+    def read_piece(self, name: str, kind: str, tp_index: int) -> torch.Tensor:
+        """Piece `tp_index` of a parameter saved as tensor-parallel pieces, in its local shape."""
+        split = self.split_of(name, tp_index)
+        numel = 1
+        for dim in split.local_shape:
+            numel *= dim
+        return self.read_range(name, kind, 0, numel, tp_index).reshape(split.local_shape)
+
     def read_full(self, name: str, kind: str = MASTER_KIND) -> torch.Tensor:
-        """The whole parameter, in its saved shape and dtype."""
+        """The whole parameter, in its saved shape and dtype (its pieces assembled)."""
         entry = self.index["params"][name]
+        split = self.split_of(name)
+        if split is not None:
+            return split.assemble([self.read_piece(name, kind, t) for t in range(split.parts)])
         numel = 1
         for dim in entry["shape"]:
             numel *= int(dim)
         return self.read_range(name, kind, 0, numel).reshape(entry["shape"])
+
+    def read_for(self, name: str, kind: str, start: int, length: int, split: TensorSplit | None) -> torch.Tensor:
+        """Elements [start, start + length) of the flattened tensor a rank holding `split` (its
+        piece of parameter `name`; None: the whole parameter) needs, whatever the saved cut: the
+        saved piece itself when the cuts agree, else cut from the assembled whole (one
+        parameter in memory at a time)."""
+        saved = self.split_of(name, 0)
+        if split is None and saved is None:
+            return self.read_range(name, kind, start, length)
+        if split is not None and saved is not None and saved.with_index(split.index) == split:
+            return self.read_range(name, kind, start, length, split.index)
+        whole = self.read_full(name, kind)
+        mine = whole if split is None else split.piece_of(whole)
+        return mine.reshape(-1)[start : start + length].clone()
 
     def read_scalar(self, names: list[str], key: str) -> torch.Tensor | None:
         """A 0-d optimizer state (e.g. `step`) saved with any of the parameters `names`.
@@ -431,7 +483,7 @@ class CheckpointReader:
         will do; one in a file this reader has already opened is preferred (no extra file
         to read and check). None when none of them has a fragment (all empty).
         """
-        fragments = [f for name in names for f in self.index["params"][name]["fragments"]]
+        fragments = [f for name in names for f in self.index["params"][name]["fragments"]]  # any piece's
         if not fragments:
             return None
         opened = [f for f in fragments if rank_file_name(f["rank"]) in self._open]

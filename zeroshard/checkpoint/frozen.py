@@ -7,7 +7,9 @@ tensor on each expert-parallel rank, so rank 0 alone cannot write it:
 * an expert of a DeepSpeed `MoE` layer: local expert j is global expert `ep_rank * L + j`
   (zeroshard/moe/utils.py); the checkpoint keys it by the global name, like a trained expert;
 * an AutoEP stack [L, ...]: a contiguous block of the global [E, ...] stack
-  (zeroshard/moe/autoep/layer.py); the checkpoint holds the global stack.
+  (zeroshard/moe/autoep/layer.py); the checkpoint holds the global stack;
+* a tensor-parallel piece (`p.tp_split`, zeroshard/autotp/split.py): the checkpoint holds the
+  whole tensor, gathered over the tensor group.
 
 So saving gathers them over each expert-parallel group (`frozen_state`, collective), and
 loading takes each rank's part back out (`frozen_values`); the saved names and shapes are
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.autotp.split import tensor_split_of
 from zeroshard.checkpoint.base import CheckpointError
 from zeroshard.checkpoint.names import saved_offset
 from zeroshard.comm import collectives as comm
@@ -56,6 +59,16 @@ def _gather_over_expert_group(engine: Any, p: torch.Tensor, out_shape: tuple[int
     return full
 
 
+def _gather_over_tensor_group(engine: Any, p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a tensor-parallel piece: every rank's piece of its tensor group,
+    assembled ([Note: tensor-parallel splits] in zeroshard/autotp/split.py)."""
+    split = tensor_split_of(p)
+    group = engine.layout.tensor
+    pieces = p.new_empty((split.parts, *split.local_shape))
+    comm.all_gather(pieces, p.detach().contiguous(), group=group, tag="export")
+    return split.assemble(list(pieces.unbind(0)))
+
+
 def whole_by_saved_name(
     engine: Any, name: str, p: torch.Tensor, places: dict[int, tuple[str, int, int, str, int]], keep: bool
 ) -> dict[str, torch.Tensor]:
@@ -73,6 +86,10 @@ def whole_by_saved_name(
                 out[f"{base}{ep_rank * per_rank + j}.{rest}"] = full[ep_rank].to("cpu", copy=True)
     elif hasattr(p, "autoep_global_shape"):
         full = _gather_over_expert_group(engine, p, tuple(p.autoep_global_shape))
+        if keep:
+            out[name] = full.to("cpu", copy=True)
+    elif tensor_split_of(p) is not None:
+        full = _gather_over_tensor_group(engine, p)
         if keep:
             out[name] = full.to("cpu", copy=True)
     elif keep:
@@ -114,6 +131,13 @@ def frozen_values(
         value = saved(saved_name)
         if value is None:
             raise CheckpointError(f"frozen parameter {saved_name} is not in the checkpoint.")
+        split = tensor_split_of(p)
+        if split is not None:  # a tensor-parallel piece: cut from the saved whole tensor
+            if tuple(value.shape) != split.full_shape:
+                raise CheckpointError(f"frozen parameter {saved_name}: saved shape {list(value.shape)}, the model's "
+                                      f"whole shape is {list(split.full_shape)}.")
+            out[name] = split.piece_of(value)
+            continue
         shape = tuple(getattr(p, "ds_shape", p.shape))
         numel = 1
         for dim in shape:

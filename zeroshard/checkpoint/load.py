@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.autotp.split import TensorSplit, tensor_split_of
 from zeroshard.checkpoint.async_save import wait_for_checkpoint
 from zeroshard.checkpoint.deepspeed.convert import converted, deepspeed_tag_dir, universal_latest
 from zeroshard.checkpoint.fields import (
@@ -149,17 +150,20 @@ def _check_extras(
 
 
 def _param_source(reader: CheckpointReader, extras: dict[str, torch.Tensor]):
-    """A function (name, kind, start, length) -> 1-D tensor reading the saved parameter."""
+    """A function (name, kind, start, length, split) -> 1-D tensor reading the saved parameter:
+    elements of the whole tensor, or of this rank's tensor-parallel piece `split` of it
+    (whatever tensor-parallel size saved it: format.CheckpointReader.read_for)."""
 
-    def read(name: str, kind: str, start: int, length: int) -> torch.Tensor:
+    def read(name: str, kind: str, start: int, length: int, split: TensorSplit | None = None) -> torch.Tensor:
         if name in reader.index["params"]:
-            return reader.read_range(name, kind, start, length)
+            return reader.read_for(name, kind, start, length, split)
         if kind != MASTER_KIND:
             raise CheckpointError(
                 f"parameter {name} was frozen when the checkpoint was saved, so it has no optimizer "
                 "state: load with load_optimizer_states=False."
             )
-        return extras[name].reshape(-1)[start : start + length]
+        whole = extras[name] if split is None else split.piece_of(extras[name])
+        return whole.reshape(-1)[start : start + length]
 
     return read
 
@@ -174,7 +178,8 @@ def _assemble(flat: Any, names: list[str], read, kind: str, dtype: torch.dtype) 
         if common is not None:
             lo, hi = common
             start = lo - flat.offsets[i] + saved_offset(flat.params[i])
-            out[lo - master_start : hi - master_start].copy_(read(name, kind, start, hi - lo))
+            piece = read(name, kind, start, hi - lo, tensor_split_of(flat.params[i]))
+            out[lo - master_start : hi - master_start].copy_(piece)
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zeroshard.autotp.split import tensor_split_of
 from zeroshard.moe.utils import all_global_expert_names, global_expert_names
 
 
@@ -57,8 +58,12 @@ def state_dict_keys(module: Any) -> list[str]:
 
 def saved_shape(p: Any) -> Any:
     """A parameter's shape in a checkpoint: an AutoEP stack's global [E, ...] shape (its
-    `autoep_global_shape`), else the full shape (`ds_shape`: a stage-3 parameter outside a
-    gather is empty, zeroshard/sharding/flat.py)."""
+    `autoep_global_shape`), a tensor-parallel piece's whole shape (its `tp_split`), else the
+    full shape (`ds_shape`: a stage-3 parameter outside a gather is empty,
+    zeroshard/sharding/flat.py)."""
+    split = tensor_split_of(p)
+    if split is not None:
+        return split.full_shape
     return getattr(p, "autoep_global_shape", None) or getattr(p, "ds_shape", p.shape)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.autotp.split import tensor_split_of
 from zeroshard.checkpoint import async_save as async_save_module
 from zeroshard.checkpoint.files import remove_entry
 from zeroshard.checkpoint.format import (
@@ -37,6 +38,7 @@ from zeroshard.checkpoint.format import (
     INDEX_DIGEST_FILE,
     MASTER_KIND,
     PYTHON_STATE_FILE,
+    TENSOR_PARALLEL_VERSION,
     CheckpointError,
     dtype_to_str,
     scalar_kind,
@@ -46,7 +48,7 @@ from zeroshard.checkpoint.format import (
     validate_tag,
 )
 from zeroshard.checkpoint.frozen import frozen_state
-from zeroshard.checkpoint.names import flat_names, saved_offset, state_dict_keys
+from zeroshard.checkpoint.names import flat_names, saved_offset, saved_shape, state_dict_keys
 from zeroshard.checkpoint.rng import capture_rng_state
 from zeroshard.checkpoint.sync import agree, all_gather_object, describe
 from zeroshard.checkpoint.write import (
@@ -183,9 +185,12 @@ def rank_tensors(
                     f"({type(value).__name__}); zeroshard cannot shard it."
                 )
         fragments = {}
-        # One replica of each shard is indexed (hybrid sharding: the first replica group's);
-        # offsets are in the shard group's layout, `rank` names the file that holds them.
-        indexed = flat.spec.replicate.rank == 0
+        # One replica of each shard is indexed (hybrid sharding: the first replica group's; a
+        # parameter tensor parallelism keeps whole: tensor rank 0's); offsets are in the shard
+        # group's layout, `rank` names the file that holds them. A tensor-parallel piece is
+        # indexed by every tensor rank, its offsets inside its piece (`tp_index` says which).
+        duplicate = flat.spec.duplicate
+        indexed = flat.spec.replicate.rank == 0 and (duplicate is None or duplicate.rank == 0)
         for i, name in enumerate(saved_names[k]):
             common = overlap(flat.offsets[i], flat.offsets[i] + flat.numels[i], owned_start, owned_start + owned_len)
             if indexed and common is not None:
@@ -197,6 +202,9 @@ def rank_tensors(
                     "tensor": fid,
                     "start": lo - owned_start,
                 }
+                split = tensor_split_of(flat.params[i])
+                if split is not None:
+                    fragments[name]["tp_index"] = split.index
         info = {"id": fid, "fragments": fragments, "optimizer_state": elementwise, "optimizer_scalars": scalars}
         if saved_names[k] != flat.names:
             # Expert parameters: rank 0 does not hold every expert, so each rank describes its own.
@@ -248,9 +256,9 @@ def _extras(engine: Any, frozen: dict[str, torch.Tensor], buffer_names: list[str
 
 
 def _param_entries(flat: Any, names: list[str], elementwise: dict, scalars: dict) -> dict[str, Any]:
-    return {
+    entries = {
         name: {
-            "shape": list(getattr(flat.params[i], "autoep_global_shape", None) or flat.shapes[i]),
+            "shape": list(saved_shape(flat.params[i])),
             "param_dtype": dtype_to_str(flat.role.param_dtype),
             "master_dtype": dtype_to_str(flat.master.dtype),
             "unit": flat.unit_name,
@@ -262,6 +270,11 @@ def _param_entries(flat: Any, names: list[str], elementwise: dict, scalars: dict
         }
         for i, name in enumerate(names)
     }
+    for i, name in enumerate(names):
+        split = tensor_split_of(flat.params[i])
+        if split is not None:  # saved as its pieces: checkpoint/format.py's [Note: checkpoint layout]
+            entries[name]["tensor_parallel"] = split.to_json()
+    return entries
 
 
 def _params_table(engine: Any, manifests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -329,7 +342,8 @@ def rank0_state(
     optimizer = engine.optimizer
     index = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        # Tensor-parallel pieces: a reader that does not know them must not load them as whole tensors.
+        "version": TENSOR_PARALLEL_VERSION if engine.layout.tensor is not None else FORMAT_VERSION,
         "tag": tag,
         "world_size": engine.world_size,
         "stage": engine.policy.stage,

@@ -9,7 +9,8 @@ against everything the index itself knows:
   that rank's file is listed;
 - it lies inside its parameter (`offset + numel <= numel(shape)`) and inside its tensor in
   the rank file (`start + numel <= shard_numel` of that flat buffer);
-- the fragments of a parameter cover it exactly (no gap, no overlap);
+- the fragments of a parameter cover it exactly (no gap, no overlap); for a parameter saved as
+  tensor-parallel pieces, the fragments of each piece (`tp_index`) cover that piece;
 - the fragments in one rank file tensor follow each other from element 0, with no overlap
   and no gap: a rank's slice of a flat buffer holds its parameters back to back (padding
   comes only after the last), so a fragment moved inside the tensor is caught too.
@@ -105,22 +106,50 @@ def check_index_geometry(index: dict[str, Any], path: Path) -> None:
         if not isinstance(entry, dict) or not isinstance(entry.get("fragments"), list):
             raise _fail(path, field, "needs a 'shape' and a list of 'fragments'")
         numel = _numel(entry.get("shape"), path, f"{field}.shape")
-        covered = 0
+        parts = _parts(entry, numel, path, field)
+        numel //= parts  # of each piece
         fragments = entry["fragments"]
         for i, frag in enumerate(fragments):
             _check_fragment(frag, f"{field}.fragments[{i}]", numel, world, lengths, files, path)
-        for frag in sorted(fragments, key=lambda f: f["offset"]):
-            if frag["offset"] != covered:
-                raise _fail(path, f"{field}.fragments", f"do not tile the parameter (a gap or an overlap at "
-                            f"element {min(covered, frag['offset'])})")
-            covered += frag["numel"]
-            placed.setdefault((frag["rank"], frag["tensor"]), []).append(
-                (frag["start"], frag["start"] + frag["numel"], name)
-            )
-        if covered != numel:
-            raise _fail(path, f"{field}.fragments", f"cover {covered} of the parameter's {numel} elements")
+            index = frag.get("tp_index")
+            if (parts > 1 or "tensor_parallel" in entry) != (index is not None) or (
+                index is not None and not (is_int(index) and 0 <= index < parts)
+            ):
+                raise _fail(path, f"{field}.fragments[{i}].tp_index", f"{index!r} does not name one of the "
+                            f"{parts} tensor-parallel pieces the parameter was saved as")
+        for index in sorted({f.get("tp_index") for f in fragments}, key=lambda t: -1 if t is None else t) or [None]:
+            covered = 0
+            for frag in sorted((f for f in fragments if f.get("tp_index") == index), key=lambda f: f["offset"]):
+                if frag["offset"] != covered:
+                    raise _fail(path, f"{field}.fragments", f"do not tile the parameter (a gap or an overlap at "
+                                f"element {min(covered, frag['offset'])})")
+                covered += frag["numel"]
+                placed.setdefault((frag["rank"], frag["tensor"]), []).append(
+                    (frag["start"], frag["start"] + frag["numel"], name)
+                )
+            if covered != numel:
+                raise _fail(path, f"{field}.fragments", f"cover {covered} of the parameter's {numel} elements")
+        pieces = {f.get("tp_index") for f in fragments}
+        if "tensor_parallel" in entry and numel and pieces != set(range(parts)):
+            raise _fail(path, f"{field}.fragments", f"hold pieces {sorted(pieces)} of the {parts} it was cut into")
     for (rank, tensor), spans in placed.items():
         _check_packed(sorted(spans), rank, tensor, path)
+
+
+def _parts(entry: dict[str, Any], numel: int, path: Path, field: str) -> int:
+    """How many tensor-parallel pieces the parameter was saved as (1: whole), checked against its
+    shape: the pieces are equal (zeroshard/autotp/split.py)."""
+    split = entry.get("tensor_parallel")
+    if split is None:
+        return 1
+    shape = entry["shape"]
+    ok = (
+        isinstance(split, dict) and is_int(split.get("parts")) and split["parts"] >= 1 and is_int(split.get("dim"))
+        and 0 <= split["dim"] < len(shape) and shape[split["dim"]] % split["parts"] == 0
+    )
+    if not ok:
+        raise _fail(path, f"{field}.tensor_parallel", f"{split!r} does not cut shape {shape} into equal pieces")
+    return split["parts"]
 
 
 def _check_packed(spans: list[tuple[int, int, str]], rank: int, tensor: str, path: Path) -> None:

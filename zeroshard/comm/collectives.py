@@ -10,11 +10,18 @@ bytes cross a wire.
 A collective that fails or times out (`set_timeout`, zeroshard.collective_timeout_s) raises
 `zeroshard.comm.faults.CollectiveError` naming the collective, its group, and the step and unit it
 belonged to (zeroshard/comm/faults.py's note), on the blocking call or on the handle's `wait()`.
+
+Each collective is also noted in the progress record and waited for there
+([Note: the progress record] in zeroshard/comm/progress.py), and on gloo it runs on the channel
+of the engine call it belongs to ([Note: one transport per phase] in zeroshard/comm/channels.py):
+when the ranks stop moving together, the watchdog (zeroshard/comm/watchdog.py) names where each
+one is and every waiting rank raises `faults.HangError` with that diagnosis.
 """
 
 from __future__ import annotations
 
 import contextlib
+import pickle
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -24,8 +31,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm import channels, faults, progress, simulated
 from zeroshard.comm import compat as _compat
-from zeroshard.comm import faults, simulated
 
 __all__ = [
     "Group",
@@ -48,6 +55,8 @@ __all__ = [
     "rank",
     "backend_name",
     "set_timeout",
+    "open_channels",
+    "open_gather_channels",
 ]
 
 _FLOAT8 = frozenset(
@@ -63,16 +72,39 @@ def set_timeout(group: Group, seconds: float) -> None:
     _timeout_s = seconds
     # A simulated group never waits for a peer (zeroshard/comm/simulated.py): no timeout to set.
     if group.handle is not None and not simulated.is_simulated(group.handle):
-        _compat.set_group_timeout(group.handle, timedelta(seconds=seconds))
+        timeout = timedelta(seconds=seconds)
+        _compat.set_group_timeout(group.handle, timeout)
+        channels.set_timeout(group.ranks, timeout, _compat.set_group_timeout)
+
+
+def open_channels(group: Group, timeout_s: float | None = None) -> None:
+    """Give `group` its phase channels ([Note: one transport per phase] in
+    zeroshard/comm/channels.py) if it has none yet; collective over its members. gloo only."""
+    if group.rank >= 0 and group.size > 1:
+        channels.open_channels(group.ranks, group.handle, timeout_s, progress.state.join_channel)
+
+
+def open_gather_channels(group: Group, sizes: list[tuple[int, torch.dtype]], timeout_s: float | None = None) -> None:
+    """A channel for each stage-3 gather size (elements per rank, wire dtype) over `group`;
+    collective over its members, who pass the same sizes. gloo only."""
+    if group.rank >= 0 and group.size > 1:
+        channels.open_gather_channels(group.ranks, group.handle, sizes, timeout_s, progress.state.join_channel)
 
 
 def _failure(what: str, exc: BaseException) -> faults.CollectiveError:
+    if isinstance(exc, faults.HangError):  # the watchdog's diagnosis, raised from the wait
+        return faults.HangError(f"{what} did not complete: the hang watchdog stopped it.", exc.diagnosis)
     limit = f"zeroshard.collective_timeout_s={_timeout_s:g}" if _timeout_s is not None else "the group's timeout"
-    return faults.CollectiveError(
+    text = (
         f"{what} did not complete: {type(exc).__name__}: {exc}. A peer rank stopped, died or is running "
         f"other collectives ({limit} elapsed, or its connection closed); every rank must make the same "
         "engine calls in the same order."
     )
+    # The watchdog, when it runs, names which rank failed and where the others are.
+    diagnosis = progress.state.diagnose_failure(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    if diagnosis is not None:
+        return faults.HangError(f"{what} did not complete: {type(exc).__name__}: {exc}", diagnosis)
+    return faults.CollectiveError(text)
 
 
 def _describe(op: str, tag: str, group: Group) -> str:
@@ -82,12 +114,12 @@ def _describe(op: str, tag: str, group: Group) -> str:
 class _Pending:
     """A collective's handle whose `wait()` names the collective if it fails."""
 
-    def __init__(self, work, what: str, then=None) -> None:
-        self._work, self._what, self._then = work, what, then
+    def __init__(self, work, what: str, entry: progress.Entry | None, sliced: bool, then=None) -> None:
+        self._work, self._what, self._entry, self._sliced, self._then = work, what, entry, sliced, then
 
     def wait(self) -> bool:
         try:
-            self._work.wait()
+            progress.wait(self._work, self._entry, self._sliced)
         except Exception as exc:
             raise _failure(self._what, exc) from exc
         if self._then is not None:
@@ -95,16 +127,31 @@ class _Pending:
         return True
 
 
-def _call(what: str, fn, *args, then=None, **kwargs):
-    """Issue a collective; an asynchronous one comes back as a `_Pending` (whose `wait()`
-    then runs `then`)."""
+def _issue(name: str, tensor: torch.Tensor, wire_numel: int, numel: int | None, tag: str, group: Group, fn,
+           /, *args, async_op: bool, then=None, **kwargs):
+    """Note, route and issue one collective `name` (`fn(*args, group=..., async_op=True, **kwargs)`);
+    an asynchronous one comes back as a `_Pending` (whose `wait()` then runs `then`), a
+    blocking one is waited for here. `wire_numel`: this rank's input elements (the channel of a
+    gather), `numel`: the progress record's (None where ranks legitimately differ)."""
+    what = _describe(name, tag, group)
+    if progress.state.enabled:
+        route = channels.route(
+            group.ranks, group.handle, progress.state.channel_call(), name, tag, wire_numel, tensor.dtype
+        )
+        entry = progress.state.issued(
+            name, tensor.dtype, numel, tag, channels.group_key(group.ranks), group.size, route.channel
+        )
+    else:  # progress.bypassed(): as before the progress record
+        route, entry = channels.Route(group.handle, "", False), None
     try:
-        work = fn(*args, **kwargs)
+        work = fn(*args, group=route.handle, async_op=True, **kwargs)
     except Exception as exc:
         raise _failure(what, exc) from exc
-    if kwargs.get("async_op"):
-        return _Pending(work, what, then)
-    return work
+    pending = _Pending(work, what, entry, route.sliced, then)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,7 +220,10 @@ def new_group(members: tuple[int, ...], world: Group, timeout_s: float | None = 
     mine = world.ranks[world.rank]
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     handle = dist.new_group(list(members), timeout=timeout) if len(members) > 1 else None
-    return Group(members, members.index(mine) if mine in members else -1, _weak(handle))
+    group = Group(members, members.index(mine) if mine in members else -1, _weak(handle))
+    # Its channels now, while every rank creates its groups in the same order.
+    open_channels(group, timeout_s)
+    return group
 
 
 def backend_name(group: Group) -> str:
@@ -293,17 +343,11 @@ def _record(
     return done
 
 
-def _then_done(work, done: Callable[[], None] | None, async_op: bool):
-    """Run `done` when the collective completed: now for a blocking one, at the handle's
-    `wait()` for an asynchronous one."""
-    if done is None:
-        return work
-    if not async_op:
-        done()
-    elif isinstance(work, _Pending):
-        then = work._then
-        work._then = done if then is None else (lambda: (then(), done()))
-    return work
+def _chain(first: Callable[[], object] | None, then: Callable[[], None] | None):
+    """`first`, then `then` (either may be None)."""
+    if first is None or then is None:
+        return first or then
+    return lambda: (first(), then())
 
 
 def world_size() -> int:
@@ -330,9 +374,8 @@ def all_reduce(
     if _check(group).size == 1:
         return None if async_op else tensor
     done = _record("all_reduce", tensor, tensor.numel(), tag, group)
-    what = _describe("all_reduce", tag, group)
-    work = _call(what, dist.all_reduce, tensor, op=op, group=group.handle, async_op=async_op)
-    work = _then_done(work, done, async_op)
+    work = _issue("all_reduce", tensor, tensor.numel(), tensor.numel(), tag, group, dist.all_reduce, tensor, op=op,
+                  async_op=async_op, then=done)
     return work if async_op else tensor
 
 
@@ -358,24 +401,18 @@ def reduce_scatter(
         output.copy_(input.view(-1))
         return None if async_op else output
     assert input.numel() == output.numel() * ws, "reduce_scatter sizes disagree"
+    n = input.numel()
     if _reduce_scatter_runs_as_all_reduce(group):
-        done = _record("reduce_scatter", input, input.numel(), tag, group, via="all_reduce")
+        done = _record("reduce_scatter", input, n, tag, group, via="all_reduce")
         flat_input = input.view(-1)
         mine = flat_input.view(ws, -1)[group.rank]
-        what = _describe("reduce_scatter", tag, group)
         # The handle's wait() also copies this rank's chunk where the caller wants it.
-        handle = _call(
-            what, dist.all_reduce, flat_input, group=group.handle, async_op=True, then=lambda: output.copy_(mine)
-        )
-        handle = _then_done(handle, done, True)
-        if async_op:
-            return handle
-        handle.wait()
-        return output
-    done = _record("reduce_scatter", input, input.numel(), tag, group)
-    what = _describe("reduce_scatter", tag, group)
-    work = _call(what, _compat.reduce_scatter_single, output, input.view(-1), group=group.handle, async_op=async_op)
-    work = _then_done(work, done, async_op)
+        work = _issue("reduce_scatter", input, n, n, tag, group, dist.all_reduce, flat_input, async_op=async_op,
+                      then=_chain(lambda: output.copy_(mine), done))
+        return work if async_op else output
+    done = _record("reduce_scatter", input, n, tag, group)
+    work = _issue("reduce_scatter", input, n, n, tag, group, _compat.reduce_scatter_single, output, input.view(-1),
+                  async_op=async_op, then=done)
     return work if async_op else output
 
 
@@ -393,14 +430,13 @@ def all_gather(
         return None if async_op else output
     assert output.numel() == input.numel() * ws, "all_gather sizes disagree"
     done = _record("all_gather", input, output.numel(), tag, group)
-    what = _describe("all_gather", tag, group)
+    wire_in, wire_out = input, output
     if input.dtype in _FLOAT8:
-        # An all-gather copies bytes: fp8 travels as its uint8 view (gloo has no fp8 type), and
-        # the recorder shows the fp8 dtype that is on the wire.
-        output, input = output.view(torch.uint8), input.view(torch.uint8)
-    work = _call(what, _compat.all_gather_single, output.view(-1), input.view(-1), group=group.handle,
-                 async_op=async_op)
-    work = _then_done(work, done, async_op)
+        # An all-gather copies bytes: fp8 travels as its uint8 view (gloo has no fp8 type); the
+        # recorder, the progress record and the gather's channel see the fp8 dtype on the wire.
+        wire_out, wire_in = output.view(torch.uint8), input.view(torch.uint8)
+    work = _issue("all_gather", input, input.numel(), output.numel(), tag, group, _compat.all_gather_single,
+                  wire_out.view(-1), wire_in.view(-1), async_op=async_op, then=done)
     return work if async_op else output
 
 
@@ -409,19 +445,42 @@ def broadcast(tensor: torch.Tensor, *, group: Group, src: int, tag: str = "") ->
     if _check(group).size == 1:
         return tensor
     done = _record("broadcast", tensor, tensor.numel(), tag, group)
-    _call(_describe("broadcast", tag, group), dist.broadcast, tensor, src=src, group=group.handle)
-    _then_done(None, done, False)
+    _issue("broadcast", tensor, tensor.numel(), tensor.numel(), tag, group, dist.broadcast, tensor, src=src,
+           async_op=False, then=done)
     return tensor
+
+
+def _control_device(group: Group) -> torch.device:
+    """Where a control message's bytes travel: the current GPU on NCCL (its tensors must be
+    on one), the host elsewhere."""
+    if "nccl" in str(dist.get_backend(group.handle)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_gather_object(obj: object, *, group: Group) -> list[object]:
     """`obj` from every member of `group`, in group-rank order (control messages such as
-    checkpoint outcomes; pickled, not recorded: no tensor dtype goes on the wire)."""
+    checkpoint outcomes; pickled, not recorded: no tensor dtype goes on the wire).
+
+    torch's `all_gather_object` waits inside itself, where the watchdog could not reach it; this
+    is the same exchange (the pickles' lengths, then the pickles padded to the longest) made of
+    two all-gathers that wait like the others."""
     if _check(group).size == 1:
         return [obj]
-    out: list[object] = [None] * group.size
-    _call(_describe("all_gather_object", "control", group), dist.all_gather_object, out, obj, group=group.handle)
-    return out
+    payload = pickle.dumps(obj)
+    device = _control_device(group)
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = torch.empty(group.size, dtype=torch.int64, device=device)
+    _issue("all_gather_object", length, 1, None, "control", group, _compat.all_gather_single, lengths, length,
+           async_op=False)
+    sizes = lengths.tolist()
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    everyone = torch.empty(group.size * max(sizes), dtype=torch.uint8, device=device)
+    _issue("all_gather_object", mine, mine.numel(), None, "control", group, _compat.all_gather_single, everyone,
+           mine.to(device), async_op=False)
+    rows = everyone.view(group.size, -1).cpu()
+    return [pickle.loads(rows[i, :n].numpy().tobytes()) for i, n in enumerate(sizes)]
 
 
 def all_to_all_single(
@@ -445,11 +504,9 @@ def all_to_all_single(
         output.copy_(input)
         return None if async_op else output
     done = _record("all_to_all", input, input.numel(), tag, group)
-    work = _call(
-        _describe("all_to_all", tag, group), dist.all_to_all_single, output, input.contiguous(),
-        output_split_sizes, input_split_sizes, group=group.handle, async_op=async_op,
-    )
-    work = _then_done(work, done, async_op)
+    # Rows per rank may differ between ranks (uneven splits): the record keeps no element count.
+    work = _issue("all_to_all", input, input.numel(), None, tag, group, dist.all_to_all_single, output,
+                  input.contiguous(), output_split_sizes, input_split_sizes, async_op=async_op, then=done)
     return work if async_op else output
 
 

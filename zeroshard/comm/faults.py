@@ -19,6 +19,21 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out: a peer stopped, died, or ran other collectives."""
 
 
+class HangError(CollectiveError):
+    """The ranks stopped moving together: a divergence (ranks in different collectives), a
+    rank stuck outside zeroshard, or a dead or stopped rank. Raised on every rank the watchdog
+    reaches (zeroshard/comm/watchdog.py): the message is what this rank was doing, then the
+    diagnosis, the same text on every rank (`diagnosis`)."""
+
+    def __init__(self, where: str, diagnosis: str) -> None:
+        super().__init__(f"{where}\n{diagnosis}")
+        self.diagnosis = diagnosis
+
+    def __reduce__(self):
+        first, _, _ = str(self).partition("\n")
+        return (type(self), (first, self.diagnosis))
+
+
 class RankDesyncError(RuntimeError):
     """The ranks disagree on their step or their number of training forwards in it."""
 

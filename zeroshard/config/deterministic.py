@@ -8,6 +8,9 @@ count only (zeroshard/grads/tree_reduce.py's note). A config is refused where th
 * the leaves are whole micro-batches: sequence parallelism splits each one over ranks (its
   gradient is a sum of sequence slices, cut differently at another sequence size), and expert
   parallelism runs an expert on tokens of several micro-batches in one matmul;
+* tensor parallelism (AutoTP) splits a micro-batch's matmuls over the tensor group: its gradient
+  is summed by the split layers' exchanges, an order the tensor size decides (refused until that
+  is made part of the tree);
 * hybrid sharding reduces over replica groups after the shard groups (a second tree level
   across ranks that the all-to-all does not cover);
 * the accumulation boundary is the engine's to count (managed accumulation).
@@ -56,6 +59,13 @@ def deterministic_reduction_problems(cfg: ZeroshardConfig, world_size: int) -> l
             f"{KEY}: zeroshard.shard_group_size={shard} replicates shards over {world_size // shard} groups, "
             "which would sum them in a second, separate reduction. Leave shard_group_size unset, or turn "
             "deterministic_reduction off."
+        )
+    tp = cfg.tensor_parallel.size
+    if tp > 1:
+        problems.append(
+            f"{KEY}: tensor_parallel.autotp_size={tp} splits every micro-batch's matmuls over {tp} ranks, "
+            "whose exchanges sum the gradient in an order the tensor size decides. Set autotp_size to 1 "
+            "(or remove the tensor_parallel section), or turn deterministic_reduction off."
         )
     ep = cfg.expert_parallel
     if ep.enabled and ep.autoep_size > 1:

@@ -71,6 +71,7 @@ from zeroshard.config.sections import (
     canonical_dtype_name,
 )
 from zeroshard.config.suggest import did_you_mean
+from zeroshard.config.tensor_parallel import TensorParallelConfig
 
 __all__ = [
     "BF16Config",
@@ -108,6 +109,12 @@ class ZeroshardExtras(_Section):
             fp16 always checks (its loss scale needs it).
         collective_timeout_s: seconds a collective may wait for its peers before every
             waiting rank raises CollectiveError naming it (the process groups' timeout).
+        hang_timeout_s: seconds a rank may wait in a collective for peers that never reach it
+            before the watchdog diagnoses a hang on every rank (zeroshard/comm/watchdog.py);
+            None = 300, or half of collective_timeout_s when that is below 600; 0 = no watchdog.
+            Must be below collective_timeout_s (checked in the resolve pass).
+        hang_first_step_timeout_s: the same for a process's first optimizer step (warm-up);
+            None = halfway between hang_timeout_s and collective_timeout_s.
         peak_tflops: this device's peak TFLOP/s, the flops_profiler's MFU denominator
             (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
             of the profile (zeroshard/monitor/flops.py).
@@ -125,6 +132,8 @@ class ZeroshardExtras(_Section):
     shard_group_size: JsonInt | None = Field(None, ge=1)
     skip_nonfinite_steps: bool = True
     collective_timeout_s: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0)
+    hang_timeout_s: float | None = Field(None, ge=0)
+    hang_first_step_timeout_s: float | None = Field(None, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
     deterministic_reduction: bool = False
     fp8: Fp8Config = Field(default_factory=Fp8Config)
@@ -163,6 +172,8 @@ class ZeroshardConfig(_Section):
     zeroshard: ZeroshardExtras = Field(default_factory=ZeroshardExtras)
     # AutoEP: swap a Hugging Face model's MoE blocks for expert-parallel layers (docs/moe.md).
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    # AutoTP: split Linear layers over groups of consecutive ranks (docs/tensor-parallel.md).
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     # engine.compile(): torch.compile unit by unit; DeepCompile's keys refused (zeroshard/config/compile.py).
     compile: CompileConfig = Field(default_factory=CompileConfig)
     # zeroshard/monitor/: the step-time breakdown, FLOPs/MFU and the collective summary.
@@ -204,7 +215,7 @@ class ZeroshardConfig(_Section):
     UNLISTED_DEFAULTS: ClassVar[frozenset[str]] = frozenset(
         {"optimizer", "scheduler", "seed", "train_batch_size", "train_micro_batch_size_per_gpu",
          "gradient_accumulation_steps", "sequence_parallel_size", "data_parallel_size",
-         "tensorboard", "wandb", "csv_monitor", "preemption", "compile"}
+         "tensorboard", "wandb", "csv_monitor", "preemption", "tensor_parallel", "compile"}
     )
     NOT_SUPPORTED: ClassVar[dict[str, _Unsupported]] = {
         "amp": _Unsupported(_disabled_section, "Use 'bf16', 'fp16' or 'torch_autocast'."),
@@ -222,10 +233,6 @@ class ZeroshardConfig(_Section):
         "eigenvalue": _Unsupported(_disabled_section, "Remove it."),
         "progressive_layer_drop": _Unsupported(_disabled_section, "Remove it."),
         "weight_quantization": _Unsupported(_empty, "Remove it."),
-        "tensor_parallel": _Unsupported(
-            lambda v: _empty(v) or (isinstance(v, dict) and v.get("autotp_size", 1) in (0, 1)),
-            "zeroshard is data-parallel only; remove it.",
-        ),
         "sparse_gradients": _Unsupported(_equals(False), "Gradients are dense; remove it."),
         "prescale_gradients": _Unsupported(
             _equals(False), "Gradients are averaged after the reduction; remove it."

@@ -27,6 +27,7 @@ from zeroshard.engine.api import EngineAPI
 from zeroshard.engine.compile import CompileMixin
 from zeroshard.engine.hf_compat import HFCompat
 from zeroshard.engine.parameter_offload import attach_parameter_offload
+from zeroshard.engine.watch import call, forward_call, start_watching
 from zeroshard.grads.accumulation import Accumulation
 from zeroshard.launch.device import select_device
 from zeroshard.memory.guard import MemoryGuard
@@ -103,11 +104,20 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         self.expert_group_names = transforms.expert_group_names
         if self.deterministic:
             deterministic.check_expert_groups(self.layout, self.expert_group_names)
+        # AutoTP: the split (plan, group); the first batch is checked equal across the tensor group.
+        self.autotp = transforms.autotp
+        if self.autotp is not None:
+            from zeroshard.autotp.input_check import check_inputs_once
+
+            check_inputs_once(model, self.layout.tensor)
         self.fp8_modules = setup.apply_fp8_compute(model, plan, self.device)
         self._cast_module(model)
         # The memory budget (zeroshard/memory/guard.py): refused here, before any flat is built,
         # if the states alone cannot fit; again at the first forward with the real inputs.
-        self.memory_guard = MemoryGuard(config, self.layout.world, self.device, traced=not self.expert_group_names)
+        self.memory_guard = MemoryGuard(
+            config, self.layout.world, self.device, traced=not self.expert_group_names and self.autotp is None,
+            untraced_reason="tensor-parallel model" if self.autotp is not None else "expert-parallel model",
+        )
         self.memory_guard.check_states(model)
         streams = streams_for(self.device)  # CUDA: gathers and reductions on their own streams
         self.units = setup.build_units(
@@ -158,6 +168,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         attach_parameter_offload(self)  # stage 3: the internals TRL reads (engine/parameter_offload.py)
         # Signal handlers, the stop vote in the step's all-reduce, resume (checkpoint/preempt.py).
         self.preemption = Preemption(self)
+        # The hang watchdog and the channels that keep diverging ranks off one transport (engine/watch.py).
+        start_watching(self)
 
     def _cast_module(self, model: nn.Module) -> None:
         """Give every parameter its precision group's dtype (setup.cast_module)."""
@@ -169,7 +181,7 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module under the precision policy (autocast, input casts)."""
-        with self.timers.span("fwd"), self.memory_guard.phase("forward"):
+        with call(self, forward_call(self)), self.timers.span("fwd"), self.memory_guard.phase("forward"):
             self.memory_guard.check_first_forward(self.module, args, kwargs)
             self.figures.before_forward(self.global_steps)
             output = self._forward(*args, **kwargs)
@@ -203,7 +215,7 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         reduction); `scale_wrt_gas=False` leaves this one's undivided, as DeepSpeed's argument
         does. Returns `loss / gradient_accumulation_steps` (`loss` with `scale_wrt_gas=False`).
         """
-        with self.timers.span("bwd"), self.memory_guard.phase("backward"):
+        with call(self, "backward"), self.timers.span("bwd"), self.memory_guard.phase("backward"):
             return self._backward(loss, retain_graph, scale_wrt_gas, **kwargs)
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool, **kwargs: Any) -> torch.Tensor:
@@ -252,15 +264,16 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         still runs the backward epilogue in `engine.backward`), so they agree on it.
         """
         steps_before = self.global_steps
-        with self.timers.span("step"), self.memory_guard.phase("optimizer step"):
-            self._step_once()
-        if self.global_steps != steps_before:
-            self.figures.after_step(self)
-            if self.monitor.enabled and self.global_steps % self.config.steps_per_print == 0:
-                # The interval's timers, FLOPs, collectives and MoE figures go to the monitors
-                # with DeepSpeed's names (Train/Samples/elapsed_time_ms_*, ...).
-                self.monitor.write_events(self.figures.monitor_events(self.global_samples))
-            self.preemption.after_step()  # the ranks agreed to stop: save together and exit
+        with call(self, "step"):
+            with self.timers.span("step"), self.memory_guard.phase("optimizer step"):
+                self._step_once()
+            if self.global_steps != steps_before:
+                self.figures.after_step(self)
+                if self.monitor.enabled and self.global_steps % self.config.steps_per_print == 0:
+                    # The interval's timers, FLOPs, collectives and MoE figures go to the monitors
+                    # with DeepSpeed's names (Train/Samples/elapsed_time_ms_*, ...).
+                    self.monitor.write_events(self.figures.monitor_events(self.global_samples))
+                self.preemption.after_step()  # the ranks agreed to stop: save together and exit
 
     def _step_once(self) -> None:
         state = self.accumulation
@@ -336,14 +349,15 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         `async_save` (None: `checkpoint.writer.decoupled`) the files are written in the background."""
         from zeroshard import checkpoint
 
-        with self.memory_guard.phase("save"):
+        with call(self, "save"), self.memory_guard.phase("save"):
             return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save=async_save)
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an asynchronous save to be written and published; collective."""
         from zeroshard import checkpoint
 
-        checkpoint.wait_for_checkpoint("engine.wait_for_checkpoint()")
+        with call(self, "save"):
+            checkpoint.wait_for_checkpoint("engine.wait_for_checkpoint()")
 
     def load_checkpoint(
         self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -358,7 +372,7 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...): not supported by zeroshard. Load without it.")
 
-        with self.memory_guard.phase("load"):
+        with call(self, "load"), self.memory_guard.phase("load"):
             return checkpoint.load_checkpoint(
                 self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
@@ -373,7 +387,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         load_dir = load_dir if load_dir is not None else self.config.preemption.save_dir
         if load_dir is None:
             raise ValueError("resume_latest(): pass the directory, or set preemption.save_dir in the config.")
-        return resume_latest(self, load_dir, **load_options)
+        with call(self, "load"):
+            return resume_latest(self, load_dir, **load_options)
 
     def should_stop(self) -> bool:
         """Whether a rank was asked to stop (a scheduler's signal); collective: call it on every
@@ -386,7 +401,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         """The consolidated module weights in the parameter dtype, for inference (rank 0 writes)."""
         from zeroshard import checkpoint
 
-        return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        with call(self, "save"):
+            return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     # -------------------------------------------------------------- accessors
     def metrics(self) -> dict[str, Any]:
@@ -446,7 +462,26 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
     @property
     def data_parallel_group(self) -> Any:
         """The data-parallel torch ProcessGroup: ranks that see different samples."""
-        return (self.layout.data if self.layout.data is not None else self.layout.world).handle
+        return (self.layout.data or self.layout.tensor_data or self.layout.world).handle
+
+    @property
+    def dp_world_size(self) -> int:
+        """DeepSpeed's name: ranks that see different samples."""
+        return self.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the ranks that see different samples."""
+        return (self.layout.data or self.layout.tensor_data or self.layout.world).rank
+
+    @property
+    def mp_world_size(self) -> int:
+        """DeepSpeed's name: the tensor-parallel size (1 without AutoTP)."""
+        return self.layout.tensor_parallel_size
+
+    def autotp_size(self) -> int:
+        """`tensor_parallel.autotp_size` (DeepSpeed's engine method; 0 when off, as written)."""
+        return self.config.tensor_parallel.autotp_size
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)

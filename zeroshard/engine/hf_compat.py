@@ -34,9 +34,10 @@ class HFCompat:
         return self._gather_16bit_state_dict(exclude_frozen_parameters)
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
-        """`_zero3_consolidated_16bit_state_dict` at stage 3; DeepSpeed's ValueError otherwise
-        (zeroshard has no tensor parallelism, the other case DeepSpeed consolidates)."""
-        if self.zero_optimization_stage() != 3:
+        """The whole weights where they are split: at stage 3, or with tensor parallelism at any
+        stage (pieces gathered over the tensor group: Accelerate's `get_state_dict` and the
+        Trainer's `save_model` call this for AutoTP); DeepSpeed's ValueError otherwise."""
+        if self.zero_optimization_stage() != 3 and self.layout.tensor is None:
             raise ValueError(
                 "consolidated_16bit_state_dict is only applicable where weights are partitioned (ZeRO stage 3); "
                 f"zero_optimization.stage is {self.zero_optimization_stage()}: read engine.module.state_dict()."

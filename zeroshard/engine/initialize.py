@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroshard.comm import collectives
+from zeroshard.comm import collectives, progress
 from zeroshard.comm.deepspeed_api import init_distributed
 from zeroshard.launch.distributed import release_default_group_arguments
 
@@ -42,6 +42,7 @@ def initialize(
         (engine, optimizer, training_dataloader, lr_scheduler); the dataloader is None
         without `training_data`, the scheduler None when neither given nor configured.
     """
+    from zeroshard.autotp.model_init import merge_recorded_tp_model_init
     from zeroshard.config.error import DeepSpeedConfigError
     from zeroshard.config.schema import requested_collective_timeout_s
     from zeroshard.engine.engine import Engine
@@ -72,16 +73,25 @@ def initialize(
     release_default_group_arguments()
     if mesh_param is not None:
         raw = _with_mesh(raw, mesh_param, mpu, collectives.world_size())
+    # deepspeed.tp_model_init's record (the Trainer's): merged into tensor_parallel, then dropped.
+    raw = merge_recorded_tp_model_init(raw, mpu)
     mpu_sp = None if mpu is None else mpu.get_sequence_parallel_world_size()
     cfg = resolve_config(raw, world_size=collectives.world_size(), sequence_parallel_size=mpu_sp)
+    if mpu is not None and cfg.tensor_parallel.size > 1:
+        raise DeepSpeedConfigError(
+            f"tensor_parallel.autotp_size={cfg.tensor_parallel.autotp_size} with a sequence-parallel mpu: tensor and "
+            "sequence parallelism together are not supported by zeroshard. Use one of them."
+        )
     # The process's one layout (zeroshard/sharding/layout.py), perhaps created already by an MoE
     # layer or parallel_state_sp: cut for this config, then handed to everything below.
     layout = establish(cfg.zeroshard.shard_group_size, cfg.zeroshard.collective_timeout_s)
     layout.set_sequence_parallel(*(_sequence_parallel_groups(mpu, cfg.sequence_parallel_size) or (None, None)))
-    engine = Engine(
-        model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
-    )
+    with progress.phase("init", 0, 0):  # its collectives in the progress record (zeroshard/comm/progress.py)
+        layout.set_tensor_parallel(cfg.tensor_parallel.size, cfg.zeroshard.collective_timeout_s)
+        engine = Engine(
+            model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn, layout=layout,
+        )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -64,6 +64,7 @@ class ModelTransforms:
     expert_group_names: list[str]
     autoep_settings: Any = None
     load_balancer: Any = None
+    autotp: Any = None  # zeroshard.autotp.transform.AutoTPResult with tensor parallelism
 
 
 def optimizer_groups(
@@ -102,7 +103,30 @@ def transform_model(
     model: nn.Module, config: ZeroshardConfig, layout: ParallelLayout, optimizer: Any, model_parameters: Any
 ) -> ModelTransforms:
     """AutoEP, expert groups and the optimizer groups, before any flat is built."""
-    autoep_settings = load_balancer = None
+    autoep_settings = load_balancer = autotp = None
+    if layout.tensor is not None:
+        # AutoTP: Linear layers split over the tensor group before any flat, group or optimizer
+        # group is built from the model's parameters (zeroshard/autotp/transform.py).
+        from zeroshard.autotp.transform import apply_autotp, repoint_parameters
+
+        if any(is_moe_param(p) for p in model.parameters()):
+            raise ValueError(
+                f"tensor_parallel.autotp_size={config.tensor_parallel.autotp_size}: the model has DeepSpeed MoE "
+                "layers; experts with tensor parallelism are not supported by zeroshard. Use one of them."
+            )
+        if muon.is_muon_requested(optimizer, config.optimizer):
+            raise ValueError(
+                f"tensor_parallel.autotp_size={config.tensor_parallel.autotp_size} with a Muon optimizer: Muon "
+                "orthogonalises whole matrices and each rank holds a slice of every split one; gathering them over "
+                "the tensor group is not built. Use AdamW, or autotp_size 1."
+            )
+        if model_parameters is not None:  # a generator would read the model after the split
+            model_parameters = list(model_parameters)
+        autotp = apply_autotp(model, config.tensor_parallel, layout.tensor)
+        model_parameters = repoint_parameters(model_parameters, autotp.replaced)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for group in optimizer.param_groups:
+                group["params"] = repoint_parameters(group["params"], autotp.replaced)
     if config.expert_parallel.enabled:
         # AutoEP: the Hugging Face MoE blocks become expert-parallel layers before any
         # group, flat or optimizer group is built from the model's parameters.
@@ -132,7 +156,7 @@ def transform_model(
         # Muon and AdamW parameters in separate groups, hence separate flats (zeroshard/optim/muon/groups.py).
         params_cfg = config.optimizer.params if optimizer is None else None
         hyper, group_of = muon.split_param_groups(model, hyper, group_of, params_cfg)
-    return ModelTransforms(hyper, group_of, expert_group_names, autoep_settings, load_balancer)
+    return ModelTransforms(hyper, group_of, expert_group_names, autoep_settings, load_balancer, autotp)
 
 
 def apply_fp8_compute(model: nn.Module, plan: PrecisionPlan, device: torch.device) -> list[str]:
@@ -181,11 +205,12 @@ def cast_module(model: nn.Module, plan: PrecisionPlan) -> dict[int, str]:
     return {id(p): names[n] for n, p in model.named_parameters()}
 
 
-def sharding_for(layout: ParallelLayout, expert_group: str | None) -> ShardingSpec:
-    """Expert flats: over their expert-data-parallel group; dense flats: the layout's."""
-    if expert_group is None:
-        return layout.dense
-    return layout.expert(expert_group)
+def sharding_for(layout: ParallelLayout, expert_group: str | None, split: bool = True) -> ShardingSpec:
+    """Expert flats: over their expert-data-parallel group; dense flats: the layout's (with
+    tensor parallelism, a flat of whole parameters says they are the same over the tensor group)."""
+    if expert_group is not None:
+        return layout.expert(expert_group)
+    return layout.dense if split else layout.tensor_whole()
 
 
 def build_units(
@@ -209,9 +234,12 @@ def build_units(
     for spec in specs:
         # One flat per (precision role, optimizer group, expert group): expert parameters
         # are sharded over their expert-data-parallel group, dense ones over the layout's.
-        classes: dict[tuple[str, int, str | None], tuple[list[str], list[nn.Parameter]]] = {}
+        # With tensor parallelism, pieces and whole parameters go to separate flats: the norm counts
+        # a whole one once over its tensor group (ShardingSpec.duplicate).
+        classes: dict[tuple[str, int, str | None, bool], tuple[list[str], list[nn.Parameter]]] = {}
         for name, p in zip(spec.param_names, spec.params, strict=False):
-            key = (param_group_name[id(p)], group_of[id(p)], p.group_name if is_moe_param(p) else None)
+            split = layout.tensor is None or hasattr(p, "tp_split")
+            key = (param_group_name[id(p)], group_of[id(p)], p.group_name if is_moe_param(p) else None, split)
             classes.setdefault(key, ([], []))
             classes[key][0].append(name)
             classes[key][1].append(p)
@@ -228,10 +256,10 @@ def build_units(
         flats = [
             FlatParamGroup(
                 spec.name, names, params, plan.groups[role_name],
-                opt_group, unit_policy, device, sharding_for(layout, expert_group), streams=streams,
+                opt_group, unit_policy, device, sharding_for(layout, expert_group, split), streams=streams,
                 gradients=FlatGradients,
             )
-            for (role_name, opt_group, expert_group), (names, params) in classes.items()
+            for (role_name, opt_group, expert_group, split), (names, params) in classes.items()
         ]
         units.append(Unit(spec.name, spec.module, flats))
     for p in init_partition.partitioned_params(model):  # frozen: whole on every rank, as without Init
@@ -354,7 +382,8 @@ def build_dataloader(
     from torch.utils.data import DataLoader, DistributedSampler
 
     drop_last = config.dataloader_drop_last
-    data = layout.data if layout.data is not None else layout.world
+    # The ranks that see different samples: tensor ranks share theirs.
+    data = layout.data or layout.tensor_data or layout.world
     if config.zeroshard.deterministic_reduction:
         # Whole micro-batches dealt round-robin: micro-batch k holds the same samples at every
         # world size (engine/micro_batches.py).

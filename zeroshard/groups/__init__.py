@@ -3,7 +3,8 @@ groups, as read-only views onto the process's `ParallelLayout` (zeroshard/shardi
 the only place that computes ranks; it holds every group and states the placement:
 expert-parallel groups consecutive, expert-data-parallel strided). DeepSpeed keeps every
 dimension's getters in one module: the expert and data-parallel ones are here, the
-sequence-parallel ones in sequence.py, re-exported here. `zeroshard.utils.groups` is DeepSpeed's
+sequence-parallel ones in sequence.py and the tensor-parallel ones in tensor.py, re-exported
+here. `zeroshard.utils.groups` is DeepSpeed's
 import path to the same functions.
 
 Expert groups are named `ep_size_<n>` as in DeepSpeed and built once per name, collectively,
@@ -30,6 +31,8 @@ from zeroshard.groups.sequence import (  # noqa: F401  (DeepSpeed's names, re-ex
     _get_sequence_parallel_world_size,
     set_sequence_parallel_mpu,
 )
+from zeroshard.groups.tensor import *  # noqa: F403  (DeepSpeed's tensor-parallel getters, tensor.py)
+from zeroshard.groups.tensor import __all__ as _tensor_names
 from zeroshard.sharding.layout import (  # noqa: F401  (check_ep_size: DeepSpeed-path callers import it here)
     check_ep_size,
     current_layout,
@@ -162,4 +165,5 @@ __all__ = [
     "check_ep_size",
     "expert_group_name",
     "set_sequence_parallel_mpu",
+    *_tensor_names,
 ]

@@ -56,15 +56,23 @@ def _fake_like(tree: Any) -> Any:
 class MemoryGuard:
     """The budget check and the out-of-memory report for one engine (the note above)."""
 
-    def __init__(self, config: ZeroshardConfig, group: comm.Group, device: torch.device, traced: bool = True) -> None:
+    def __init__(self, config: ZeroshardConfig, group: comm.Group, device: torch.device, traced: bool = True,
+                 untraced_reason: str = "expert-parallel model") -> None:
         self.config = config
         self.group = group
         self.world_size = group.size
         self.rank = group.rank
         self.device = device
         # `traced`: the prediction knows this model's flats (not yet expert-parallel ones: they
-        # shard over their own groups), so the budget can be checked.
-        self.budget, self.source = budget_bytes(config, device) if traced else (None, "expert-parallel model")
+        # shard over their own groups; nor tensor-parallel ones: their pieces shard over the data
+        # group, not the world, and the split layers' exchanges do not trace), so the budget can
+        # be checked.
+        self.budget, self.source = budget_bytes(config, device) if traced else (None, untraced_reason)
+        extras = config.zeroshard
+        if not traced and "memory_budget_gb" in extras.model_fields_set and extras.memory_budget_gb is not None:
+            if group.rank == 0:  # the budget the config asks for is not checked: say so once
+                logger.warning("zeroshard: zeroshard.memory_budget_gb=%g: not checked for a %s (its flats are not "
+                               "laid out by the prediction yet).", extras.memory_budget_gb, untraced_reason)
         self.prediction: MemoryPlan | None = None
         self._pending_forward = self.budget is not None
         self.recording = start_recording(device) if self.budget is not None else False

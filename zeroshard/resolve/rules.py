@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 
+from zeroshard.comm.watchdog import resolve_timeouts
 from zeroshard.config.accumulation import unmanaged_accumulation_problems
 from zeroshard.config.base import _is_auto, _show
 from zeroshard.config.deterministic import deterministic_reduction_problems
@@ -31,6 +32,7 @@ from zeroshard.optim import schedulers
 from zeroshard.optim.build import state_dtype_problem
 from zeroshard.optim.muon.optimizer import muon_param_problems
 from zeroshard.precision.plan import resolve_precision_plan
+from zeroshard.resolve.tensor_parallel import tensor_parallel_problems
 from zeroshard.sharding.stages import stage_policy
 
 __all__ = ["resolve_config"]
@@ -71,8 +73,15 @@ def resolve_config(
     if not tainted & {"zero_optimization", "managed_gradient_accumulation"}:
         problems.extend(unmanaged_accumulation_problems(cfg))
     problems.extend(p for section, p in group_size_problems(cfg, world_size) if section not in tainted)
-    if not tainted & {"zeroshard", "sequence_parallel_size", "expert_parallel", "managed_gradient_accumulation"}:
+    if not tainted & {"zeroshard", "sequence_parallel_size", "expert_parallel", "managed_gradient_accumulation",
+                      "tensor_parallel"}:
         problems.extend(deterministic_reduction_problems(cfg, world_size))
+    if "zeroshard" not in tainted:
+        extras = cfg.zeroshard
+        problems.extend(resolve_timeouts(
+            extras.hang_timeout_s, extras.hang_first_step_timeout_s, extras.collective_timeout_s)[1])
+    if "tensor_parallel" not in tainted:
+        problems.extend(tensor_parallel_problems(cfg, world_size, plan.mode if plan is not None else None))
     optimizer = cfg.optimizer
     if optimizer is not None and "optimizer" not in tainted:
         if optimizer.type.lower() == "muon":

@@ -41,14 +41,23 @@ at the same position in every block, collectively created by every rank in the s
   data groups the strided ranks holding the same slice of different samples, and the
   sequence-data-parallel group (dense flats are sharded over it) is the world. W 4, SP 2:
   SP {0,1} {2,3}, data {0,2} {1,3}.
+* tensor parallelism (AutoTP, `tensor_parallel.autotp_size = T`), W = DP x TP, DeepSpeed's
+  placement (groups._init_tp_mesh_device: a (dp, tp) mesh, the tensor dimension innermost):
+  tensor groups are blocks of T consecutive ranks (the activations' all-reduces), tensor-data
+  groups the strided ranks holding the same pieces; dense flats are sharded over the
+  tensor-data group. A parameter AutoTP keeps whole is the same on every rank of a tensor group
+  (`ShardingSpec.duplicate`). W 4, T 2: TP {0,1} {2,3}, data {0,2} {1,3}. Not combined with
+  hybrid sharding or sequence parallelism (refused in the resolve pass).
 
 [Note: the global norm over layouts]
 The norm is the sum over the world of each rank's squared shard norms, each flat's partial
-divided by its replication (`ShardingSpec.replication`), then one all-reduce over the world.
-That counts every tensor once whatever mixture of specs the flats have (dense flats
-replicated over replica groups, expert flats sharded over EDP and distinct across EP), at
-the cost of one world all-reduce. With no replication the division is skipped, so the
-default layout's norm is bitwise what it was.
+divided by the number of ranks holding it (`ShardingSpec.copies`: its replication times its
+duplicates), then one all-reduce over the world. That counts every tensor once whatever
+mixture of specs the flats have (dense flats replicated over replica groups, expert flats
+sharded over EDP and distinct across EP, a parameter tensor parallelism keeps whole held by
+every rank of its tensor group, each piece of a split one by one rank), at the cost of one
+world all-reduce. With one copy the division is skipped, so the default layout's norm is
+bitwise what it was.
 """
 
 from __future__ import annotations
@@ -77,6 +86,9 @@ class ShardingSpec:
             offload_optimizer).
         param_placement: where stage 3's parameter shard lives ("host" with offload_param).
         pin_memory: host buffers are pinned (offload's pin_memory, with a GPU present).
+        duplicate: ranks that hold these same values and compute the same gradient on their
+            own, so nothing is reduced over them: the tensor group of a parameter tensor
+            parallelism keeps whole. The norm counts their copies once; None otherwise.
     """
 
     shard: Group
@@ -85,11 +97,32 @@ class ShardingSpec:
     placement: str = "device"
     param_placement: str = "device"
     pin_memory: bool = False
+    duplicate: Group | None = None
     shard_align: int = 1  # shard sizes are a multiple of this (the deterministic reduction's norm blocks)
 
     @property
     def replication(self) -> int:
         return self.replicate.size
+
+    def source_for(self, rank: int) -> int:
+        """The member of `peers` that holds what global rank `rank` holds here: `rank` itself, or,
+        when `rank` holds another tensor-parallel piece (peers strided over the tensor groups),
+        the peer at `rank`'s data-parallel position (GatheredParameters' modifier_rank)."""
+        ranks = self.peers.ranks
+        if rank in ranks:
+            return rank
+        stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+        position = rank // stride
+        strided = all(b - a == stride for a, b in zip(ranks[:-1], ranks[1:], strict=True))
+        if len(ranks) > 1 and strided and position < len(ranks):
+            return ranks[position]
+        raise ValueError(f"rank {rank} has no counterpart among ranks {list(ranks)}.")
+
+    @property
+    def copies(self) -> int:
+        """How many ranks hold each element of a shard (replicas x duplicates): the global norm
+        divides a flat's partial by it."""
+        return self.replicate.size * (1 if self.duplicate is None else self.duplicate.size)
 
 
 def partition(
@@ -179,8 +212,12 @@ class ParallelLayout:
     expert_data_parallel: dict[str, Group] = field(default_factory=dict)
     sequence_mpu: SequenceParallelGroups | None = None
     mpu: Any = None
+    tensor: Group | None = None
+    tensor_data: Group | None = None
     # (shard size, timeout) -> (shard, replicate): hybrid splits already built.
     _dense_splits: dict[tuple[int, float | None], tuple[Group, Group]] = field(default_factory=dict)
+    # (tensor size, timeout) -> (tensor, tensor data): tensor-parallel splits already built.
+    _tensor_splits: dict[tuple[int, float | None], tuple[Group, Group]] = field(default_factory=dict)
 
     @classmethod
     def of_world(cls, world: Group) -> ParallelLayout:
@@ -222,6 +259,46 @@ class ParallelLayout:
         # Placement (device or host, pinned) is the dense spec's: offload applies to experts too.
         return replace(self.dense, shard=edp, replicate=comm.self_group(self.world), peers=edp)
 
+    # ------------------------------------------------------------------ tensor
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.tensor is None else self.tensor.size
+
+    def set_tensor_parallel(self, size: int, timeout_s: float | None = None) -> ParallelLayout:
+        """Split Linear layers over blocks of `size` consecutive ranks (DeepSpeed's placement: the
+        tensor dimension innermost) and shard dense flats over the strided tensor-data groups,
+        the ranks that hold the same pieces; 1: no tensor parallelism. Collective the first
+        time a size is cut. Returns this layout."""
+        world = self.world
+        if size <= 1:
+            self.tensor = self.tensor_data = None
+            return self
+        if world.size % size:
+            raise ValueError(
+                f"tensor_parallel.autotp_size={size}: must divide the world size {world.size}. Launch a multiple "
+                "of it ranks, or pick a divisor."
+            )
+        if self.dense.replicate.size > 1:  # hybrid sharding's replica groups
+            raise ValueError(
+                "zeroshard.shard_group_size: hybrid sharding with tensor parallelism (tensor_parallel.autotp_size="
+                f"{size}) is not supported. Remove one of them."
+            )
+        key = (size, timeout_s)
+        if key not in self._tensor_splits:
+            self._tensor_splits[key] = partition(world, size, timeout_s=timeout_s)
+        self.tensor, self.tensor_data = self._tensor_splits[key]
+        self.dense = replace(self.dense, shard=self.tensor_data, replicate=comm.self_group(world),
+                             peers=self.tensor_data)
+        return self
+
+    def tensor_whole(self) -> ShardingSpec:
+        """The spec of a flat of parameters tensor parallelism keeps whole: sharded like the
+        pieces (over the tensor-data group), the same values on every rank of the tensor group
+        (`duplicate`), starting from rank 0's (`peers`: the world)."""
+        if self.tensor is None:
+            return self.dense
+        return replace(self.dense, peers=self.world, duplicate=self.tensor)
+
     # ------------------------------------------------------------------ experts
     def expert_groups(self, ep_size: int) -> tuple[Group, Group]:
         """This rank's (expert-parallel, expert-data-parallel) groups for `ep_size`; built the
@@ -255,8 +332,9 @@ class ParallelLayout:
     def data_parallel_size(self) -> int:
         """Replicas of the model that see different samples: the gradient average's
         denominator. Sequence ranks see slices of the same samples, so their gradients are
-        summed, not averaged (docs/design.md section 9)."""
-        return self.world.size // self.sequence_parallel_size
+        summed, not averaged (docs/design.md section 9); tensor ranks see the same samples and
+        hold different pieces of the model."""
+        return self.world.size // (self.sequence_parallel_size * self.tensor_parallel_size)
 
     def set_sequence_parallel(self, sequence: Group | None, data: Group | None) -> ParallelLayout:
         """Train with sequence parallelism over `sequence` x `data` (None, None: without);
@@ -324,6 +402,12 @@ class ParallelLayout:
                 f"; sequence parallel {self.sequence.size} {self.sequence.ranks} x data parallel "
                 f"{self.data_parallel_size}: each rank holds 1/{self.sequence.size} of every sequence"
             )
+        if self.tensor is not None:
+            text += (
+                f"; tensor parallel {self.tensor.size} {self.tensor.ranks} x data parallel "
+                f"{self.tensor_data.size} {self.tensor_data.ranks}: each rank holds 1/{self.tensor.size} of every "
+                "split layer"
+            )
         for name, ep in self.expert_parallel.items():
             edp = self.expert_data_parallel[name]
             text += f"; {name}: expert parallel {ep.ranks}, expert data parallel {edp.ranks}"
@@ -368,4 +452,5 @@ def establish(shard_group_size: int | None = None, timeout_s: float | None = Non
         comm.set_timeout(layout.world, timeout_s)
     layout.cut_dense(shard_group_size, timeout_s)
     layout.set_sequence_parallel(None, None)
+    layout.tensor = layout.tensor_data = None  # initialize cuts it for its config (set_tensor_parallel)
     return layout

@@ -263,8 +263,8 @@ class OptimizerStep:
         partials = []
         for flat in self.flats:
             partial = self._grad_shard(flat).float().pow(2).sum()
-            if flat.spec.replication > 1:
-                partial = partial / flat.spec.replication
+            if flat.spec.copies > 1:
+                partial = partial / flat.spec.copies
             partials.append(partial)
         return torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
 

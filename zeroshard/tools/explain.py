@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from zeroshard.comm.watchdog import resolve_timeouts
 from zeroshard.config.monitor import monitor_destinations
 from zeroshard.config.preemption import signal_number
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
@@ -180,8 +181,10 @@ def explain_data(
         "model": None,
         "moe": None,
         "autoep": _autoep_given(config) if config.expert_parallel.enabled else None,
+        "tensor_parallel": _tensor_parallel_given(config, world_size),
         "checkpointing": _checkpointing(config),
         "reduction": _reduction(config, world_size),
+        "hangs": _hangs(config),
     }
     estimate: MemoryEstimate | None = None
     plan_keys: dict[str, Any] | None = None
@@ -208,6 +211,16 @@ def explain_data(
                 for c in fp8_linear_plan(model, plan.fp8)
             ]
         counts = {g: info["num_params"] for g, info in data["model"]["groups"].items()}
+        estimate_world = None
+        if config.tensor_parallel.size > 1:
+            from zeroshard.autotp.report import tensor_parallel_report
+
+            data["tensor_parallel"], counts = tensor_parallel_report(
+                model, config.tensor_parallel, config.tensor_parallel.size, world_size,
+                assign_param_groups(plan, model),
+            )
+            # Each rank's pieces and whole parameters, sharded over its data-parallel group.
+            estimate_world = world_size // config.tensor_parallel.size
         units = _unit_numels(model, config)
         if units is not None:
             data["model"]["units"] = {"count": len(units), "largest_numel": max(units, default=0)}
@@ -217,10 +230,20 @@ def explain_data(
         for by_group in expert_counts.values():  # experts are estimated over their own groups
             for group, numel in by_group.items():
                 counts[group] -= numel
-        estimate = estimate_for_config(config, plan, counts, unit_numels=units, expert_counts=expert_counts)
+        estimate = estimate_for_config(config, plan, counts, world_size=estimate_world, unit_numels=units,
+                                       expert_counts=expert_counts)
+        if estimate_world is not None:
+            estimate.assumptions.append(
+                f"tensor parallel {config.tensor_parallel.size}: each rank holds 1/{config.tensor_parallel.size} of "
+                f"every split layer and all of the rest ({sum(counts.values()):,} parameters), sharded over "
+                f"{estimate_world} data-parallel ranks"
+            )
         if expert_counts or config.expert_parallel.enabled:
             plan_keys = states_only_keys(estimate, config, device, "MoE experts: the peak is the states and buffer "
                                          "bounds; expert models are not traced yet")
+        elif estimate_world is not None:
+            plan_keys = states_only_keys(estimate, config, device, "tensor parallelism: the peak is the states and "
+                                         "buffer bounds of each rank's pieces; split models are not traced yet")
         else:
             try:
                 spec = model_spec_for(None if hf_config else model_spec, hf_config)
@@ -262,6 +285,33 @@ def explain_data(
     return data
 
 
+def _print_tensor_parallel(console: Any, tensor: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console.print(
+        f"\ntensor parallelism (AutoTP): {tensor['data_parallel_size']} data x {tensor['autotp_size']} tensor ranks; "
+        f"tensor groups {tensor['tensor_groups']} (consecutive), data groups {tensor['data_groups']}; rules: "
+        f"{tensor['rules']}",
+        soft_wrap=True,
+    )
+    if tensor["layers"] is None:
+        console.print("  (give --model to see each layer's split)")
+        return
+    table = Table(title="Tensor-parallel split per Linear layer")
+    table.add_column("layer", overflow="fold")  # the rule each followed: --json
+    for column in ("split", "whole shape", "piece per rank"):
+        table.add_column(column, no_wrap=True)
+    for layer in tensor["layers"]:
+        split = layer["split"] + (", output gathered" if layer["gather_output"] else "")
+        table.add_row(layer["name"], split, str(layer["shape"]), str(layer["piece"]))
+    console.print(table)
+    if tensor["grad_sum"]:
+        console.print(f"  kept whole, gradient summed over the tensor group: {', '.join(tensor['grad_sum'])}",
+                      soft_wrap=True)
+    for warning in tensor["warnings"]:
+        console.print(f"  note: {warning}", soft_wrap=True)
+
+
 def _hf_model_on_meta(path: str) -> Any:
     """A Hugging Face causal LM from its config, on the meta device (for the model report)."""
     import torch
@@ -292,6 +342,21 @@ def _print_muon_groups(console: Any, groups: list[dict[str, Any]]) -> None:
         table.add_row(label, f"{g['lr']:g}", blocks, f"{g['ns_method']}\n{g['ns_steps']} steps",
                       f"{g['ns_dtype']}:\n{dtypes}")
     console.print(table)
+
+
+def _tensor_parallel_given(config: ZeroshardConfig, world_size: int) -> dict[str, Any] | None:
+    """The tensor-parallel groups (the layers are listed with --model)."""
+    size = config.tensor_parallel.size
+    if size <= 1:
+        return None
+    from zeroshard.autotp.report import tensor_parallel_layout
+
+    tp = config.tensor_parallel
+    rules = (f"preset_model={tp.preset_model}" if tp.preset_model else "") + (
+        " + partition_config" if tp.partition_config else ""
+    )
+    return {**tensor_parallel_layout(size, world_size), "rules": rules or "the model's tp_plan", "layers": None,
+            "grad_sum": [], "warnings": []}
 
 
 def _autoep_given(config: ZeroshardConfig) -> dict[str, Any]:
@@ -357,6 +422,28 @@ def _checkpointing(config: ZeroshardConfig) -> dict[str, Any]:
     }
 
 
+def _hangs(config: ZeroshardConfig) -> dict[str, Any]:
+    """When a stuck or divergent job is named, and when a collective fails (docs/reliability.md,
+    "No silent hangs")."""
+    extras = config.zeroshard
+    timeouts = resolve_timeouts(extras.hang_timeout_s, extras.hang_first_step_timeout_s, extras.collective_timeout_s)[0]
+    return {
+        "watchdog": timeouts.enabled, "hang_timeout_s": timeouts.hang_timeout_s,
+        "hang_first_step_timeout_s": timeouts.first_step_timeout_s, "collective_timeout_s": extras.collective_timeout_s,
+        "tick_s": timeouts.tick_s,
+    }
+
+
+def _hang_line(hangs: dict[str, Any]) -> str:
+    limit = f"collectives time out after {hangs['collective_timeout_s']:g} s (zeroshard.collective_timeout_s)"
+    if not hangs["watchdog"]:
+        return f"hangs: watchdog off (zeroshard.hang_timeout_s 0); {limit}"
+    tick = hangs["tick_s"]
+    return (f"hangs: the watchdog names a stuck or divergent job on every rank after {hangs['hang_timeout_s']:g} s "
+            f"waiting ({hangs['hang_first_step_timeout_s']:g} s in a process's first step; ranks deadlocked on "
+            f"each other within a few {tick:g} s ticks); {limit}")
+
+
 def _checkpointing_lines(checkpointing: dict[str, Any]) -> list[str]:
     lines = [
         "checkpoints: asynchronous (checkpoint.writer.decoupled): save_checkpoint returns once the state is in "
@@ -382,6 +469,11 @@ def _checkpointing_lines(checkpointing: dict[str, Any]) -> list[str]:
 
 def _replicas(data: dict[str, Any]) -> str:
     parallel = data.get("parallel") or {}
+    tensor = data.get("tensor_parallel")
+    if tensor:  # DeepSpeed 0.19.8 counts every rank (docs/tensor-parallel.md)
+        return (f"world {data['world_size']} (every rank counts, as in DeepSpeed: {tensor['data_parallel_size']} "
+                f"data-parallel x {tensor['autotp_size']} tensor ranks; distinct samples per step: 1/"
+                f"{tensor['autotp_size']} of it)")
     if parallel.get("sequence_parallel_size", 1) > 1:
         sp, dp = parallel["sequence_parallel_size"], parallel["data_parallel_size"]
         return f"data-parallel {dp} (world {data['world_size']} / sequence {sp})"
@@ -524,6 +616,10 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
         for line in autoep["settings"]:
             console.print(f"  {line}", soft_wrap=True)
 
+    tensor = data.get("tensor_parallel")
+    if tensor:
+        _print_tensor_parallel(console, tensor)
+
     parallel = data.get("parallel")
     if parallel and parallel["sequence_parallel_size"] > 1:
         sp, dp = parallel["sequence_parallel_size"], parallel["data_parallel_size"]
@@ -583,6 +679,7 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     console.print("monitors: " + ("; ".join(data.get("monitors", [])) or "none"))
     for line in _checkpointing_lines(data["checkpointing"]):
         console.print(line, highlight=False, soft_wrap=True)
+    console.print(_hang_line(data["hangs"]), highlight=False, soft_wrap=True)
 
 
 def explain_text(config: Any, world_size: int = 1, model: str | None = None, params: int | None = None,

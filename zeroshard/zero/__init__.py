@@ -60,7 +60,10 @@ def GatheredParameters(
         if modifier_rank is not None:
             with torch.no_grad():
                 for flat, old in zip(ordered, before, strict=True):
-                    comm.broadcast(flat.full, group=flat.spec.peers, src=modifier_rank, tag="gathered_parameters")
+                    # With tensor parallelism a flat of pieces is shared by the tensor-data group
+                    # only: the modifier's counterpart there broadcasts (ShardingSpec.source_for).
+                    src = flat.spec.source_for(modifier_rank)
+                    comm.broadcast(flat.full, group=flat.spec.peers, src=src, tag="gathered_parameters")
                     flat.write_back_full(changed=flat.full.ne(old))
         for flat in gathered_here:
             flat.free_full()

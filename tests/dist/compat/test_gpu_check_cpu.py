@@ -2,8 +2,8 @@
 
 The GPU run happens elsewhere (a leased machine); this keeps the script from rotting between
 runs. Every row must be ok, except those that need CUDA (the host-sync checks) and the optional
-expert-path benchmark when its script is absent, and the fp8 speed row (an fp8 GPU only), which are
-skips.
+expert-path benchmark when its script is absent, the fp8 speed row (an fp8 GPU only), and the
+AutoTP row (on the CPU the suite runs its grid's cell: tests/dist/autotp), which are skips.
 """
 
 import json
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-MAY_SKIP = ("b/sync-debug", "f/moe_experts", "g/fp8 speed")
+MAY_SKIP = ("b/sync-debug", "f/moe_experts", "g/fp8 speed", "l/autotp")
 
 
 def test_gpu_check_runs_on_cpu(tmp_path):
@@ -28,7 +28,8 @@ def test_gpu_check_runs_on_cpu(tmp_path):
                    "e/autoep", "f/matmul", "f/model plain", "f/model fsdp2", "f/model zeroshard-s3",
                    "g/fp8 loss s3", "g/fp8 speed", "i/memory s0", "i/memory s3",
                    "j/model plain-compiled", "j/model zeroshard-s3-compiled",
-                   "j/model fsdp2-compiled", "k/deterministic s3 bf16"):
+                   "j/model fsdp2-compiled", "k/hang watchdog", "l/autotp tp2 conformance",
+                   "m/deterministic s3 bf16"):
         assert any(n.startswith(prefix) for n in names), f"no row {prefix!r} in {names}"
     assert sum(n.startswith("a/conformance") for n in names) == 16
     # The reference on the device against the CPU (here CPU against CPU: the same kernels, zero).

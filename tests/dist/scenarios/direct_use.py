@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tests.dist.harness import discard_workers
 from tests.dist.reference import DIM, ODD_IN, ODD_OUT, Block, TinyModel
 from tests.dist.scenarios.common import (
     Case,
@@ -25,6 +26,7 @@ from tests.dist.scenarios.common import (
     train,
 )
 from tests.dist.scenarios.faults import _outcome
+from zeroshard.comm.faults import HangError
 
 # The embedding is a unit of its own, so the head's weight, tied to it, belongs to a unit and
 # is read by the root's head: the third direct-use pattern.
@@ -149,7 +151,7 @@ class BlocksOnly(torch.nn.Module):
 
 def rank0_only_direct_use(case: Case, stay_s: float) -> dict[str, Any]:
     """Rank 0 alone runs a forward whose first collective is a direct use's gather; rank 1
-    stays alive, outside any collective, for `stay_s` seconds. Rank 0's outcome is returned."""
+    stays alive, outside any collective, for `stay_s` seconds. Each rank's outcome is returned."""
     torch.manual_seed(0)
     engine = build_engine(case, BlocksOnly())
     started = time.monotonic()
@@ -161,9 +163,13 @@ def rank0_only_direct_use(case: Case, stay_s: float) -> dict[str, Any]:
         except Exception as exc:  # the outcome under test
             error = exc
     else:
-        time.sleep(stay_s)
+        try:
+            time.sleep(stay_s)  # the hang watchdog interrupts this rank too
+        except HangError as exc:
+            error = exc
     outcome = _outcome(error, started)
-    dist.destroy_process_group()
+    # The gathers in flight cannot be cancelled (gloo): fresh workers for the next task.
+    discard_workers()
     return outcome
 
 

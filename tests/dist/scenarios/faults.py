@@ -13,20 +13,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.dist.harness import discard_workers
 from tests.dist.scenarios.common import Case, build_engine, case_batches, my_micro_batch
+from zeroshard.comm.faults import HangError
 
 
 def _outcome(error: BaseException | None, started: float) -> dict[str, Any]:
     return {
         "type": type(error).__name__ if error is not None else None,
         "message": str(error) if error is not None else "",
+        "diagnosis": getattr(error, "diagnosis", None),  # a HangError's, the same on every rank
         "seconds": time.monotonic() - started,
     }
 
 
 def rank0_only_no_grad_forward(case: Case, stay_s: float) -> dict[str, Any]:
     """Rank 0 alone runs a no_grad forward at stage 3 (an evaluation on rank 0 only); rank 1
-    stays alive, outside any collective, for `stay_s` seconds. Rank 0's outcome is returned."""
+    stays alive, outside any collective, for `stay_s` seconds. Each rank's outcome is returned."""
     engine = build_engine(case)
     tokens, targets = my_micro_batch(case_batches(case)[0], 0, case)
     started = time.monotonic()
@@ -38,9 +41,13 @@ def rank0_only_no_grad_forward(case: Case, stay_s: float) -> dict[str, Any]:
         except Exception as exc:  # the outcome under test
             error = exc
     else:
-        time.sleep(stay_s)
+        try:
+            time.sleep(stay_s)  # the hang watchdog interrupts this rank too
+        except HangError as exc:
+            error = exc
     outcome = _outcome(error, started)
-    dist.destroy_process_group()
+    # The gathers in flight cannot be cancelled (gloo): fresh workers for the next task.
+    discard_workers()
     return outcome
 
 

@@ -62,6 +62,13 @@ IMPORTS = [
     ("deepspeed.utils.zero_to_fp32", [], "issue 24 (DeepSpeed's consolidation script's module)"),
     ("deepspeed.sequence.layer", ["DistributedAttention"], "issue 24 (Ulysses attention)"),
     ("deepspeed.ops.adagrad", ["DeepSpeedCPUAdagrad"], "accelerate/utils/deepspeed.py:79"),
+    # AutoTP's rules and layers by DeepSpeed 0.19.8's module paths (docs/tensor-parallel.md).
+    ("deepspeed.module_inject.autotp_config", ["TPLayerSpec", "AutoTPConfig", "AutoTPPresets", "PartitionType"],
+     "issue 41 (AutoTP rules)"),
+    ("deepspeed.module_inject.layers", ["LinearLayer", "LinearAllreduce"], "issue 41 (AutoTP layers)"),
+    ("deepspeed.utils.groups", ["get_tensor_model_parallel_group", "get_tensor_model_parallel_world_size",
+                                "get_tensor_model_parallel_rank", "get_data_parallel_group", "_init_tp_mesh_device"],
+     "issue 41 (the tensor-parallel getters AutoTP code calls)"),
 ]
 
 # Dotted names read as attributes after a bare `import deepspeed` (no import of the submodule):
@@ -75,6 +82,7 @@ ATTRIBUTE_READS = [
     ("deepspeed.__version__", "transformers/cli/system.py:108"),
     ("deepspeed.runtime.zero.GatheredParameters", "accelerate/utils/operations.py:975"),
     ("deepspeed.runtime.engine.DeepSpeedEngine", "accelerate/utils/deepspeed.py:255"),
+    ("deepspeed.tp_model_init", "transformers/integrations/deepspeed.py:663"),
 ]
 
 # (path, where found, why zeroshard refuses it): the import raises ModuleNotFoundError naming
@@ -85,7 +93,6 @@ REFUSED = [
 
 # (name, where found, why absent)
 NOT_PROVIDED = [
-    ("deepspeed.tp_model_init", "transformers/integrations/deepspeed.py:663", "tensor parallelism (autotp_size > 1)"),
     ("deepspeed.utils.is_initialized", "transformers/models/esm/modeling_esmfold.py:155",
      "DeepSpeed 0.19 has no such name either"),
 ]

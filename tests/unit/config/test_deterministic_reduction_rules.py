@@ -40,6 +40,8 @@ def test_other_rank_counts_with_accumulation_are_refused(world_size):
      r"Leave shard_group_size unset"),
     ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, 2, r"expert_parallel\.autoep_size=2: an expert "
      r"computes on the tokens of 2 ranks' micro-batches.*Set autoep_size to 1"),
+    ({"tensor_parallel": {"autotp_size": 2}}, 4, r"tensor_parallel\.autotp_size=2 splits every micro-batch's "
+     r"matmuls over 2 ranks.*Set autotp_size to 1"),
 ])
 def test_what_splits_a_micro_batch_or_a_reduction_is_refused(extra, world_size, message):
     with pytest.raises(ConfigError, match=r"zeroshard\.deterministic_reduction=true: " + message):

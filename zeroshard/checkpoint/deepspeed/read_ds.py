@@ -17,6 +17,9 @@ optimizer param group) and the client state at top level. The optimizer state is
 - stage 3: per rank `fp32_flat_groups` (sub-groups, concatenated): every parameter is split on
   its own into `world_size` slices of ceil(numel / world_size) elements, and the rank's slices
   of all parameters follow each other in `param_shapes` order.
+
+With AutoTP (`mp_world_size` > 1) every file name above exists once per tensor-parallel rank
+(`mp_rank_<t>`), each describing that rank's pieces; read_autotp.py joins them.
 """
 
 from __future__ import annotations
@@ -36,18 +39,31 @@ from zeroshard.checkpoint.deepspeed.portable import (
     STATE_KEYS,
     PortableState,
 )
+from zeroshard.checkpoint.deepspeed.read_autotp import join_tensor_ranks
 from zeroshard.checkpoint.deepspeed.unpickle import StandIn, load_pt
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
-_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+
+
+def model_file(mp: int) -> str:
+    """Tensor-parallel rank `mp`'s model-states file (stages 0-2)."""
+    return f"mp_rank_{mp:02d}_model_states.pt"
+
+
+def _optim_re(mp: int) -> re.Pattern:
+    return re.compile(rf"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_{mp:02d}_optim_states\.pt$")
+
+
+def _zero3_model_re(mp: int) -> re.Pattern:
+    return re.compile(rf"^zero_pp_rank_(\d+)_mp_rank_{mp:02d}_model_states\.pt$")
 # Top-level keys of DeepSpeed's model-states file; every other key is the client state.
 DS_MODEL_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "ep_world_size", "moe_world_size",
-    "num_experts", "autoep_layers",
+    "num_experts", "autoep_layers", "universal_checkpoint_info",
 })
 
 
@@ -184,16 +200,12 @@ def _common(model: dict[str, Any], where: Path, allow_pickle: bool) -> PortableS
         precision=_precision(config),
         config=config,
     )
-    if int(model.get("mp_world_size", 1)) != 1:
-        raise CheckpointError(f"{where}: saved with tensor/model parallelism (mp_world_size="
-                              f"{model['mp_world_size']}); zeroshard reads data-parallel checkpoints only.")
     frozen = model.get("frozen_param_shapes") or {}
     state.frozen = {n: module[n] for n in frozen if n in module}
     return state
 
 
-def _read_stage0(tag_dir: Path, model: dict[str, Any], state: PortableState) -> None:
-    where = tag_dir / MODEL_FILE
+def _read_stage0(where: Path, model: dict[str, Any], state: PortableState) -> None:
     optimizer = _need(model, "optimizer", where)
     buffer_or_frozen = set(state.buffers) | set(state.frozen) | set(state.aliases)
     trainable = [k for k in state.module_keys if k not in buffer_or_frozen]
@@ -253,8 +265,7 @@ def _muon_momenta(per_rank: list[dict[str, Any]], shapes: dict[str, Any], paddin
     return out
 
 
-def _read_zero12(tag_dir: Path, model: dict[str, Any], state: PortableState, optim: list[dict]) -> None:
-    where = tag_dir / MODEL_FILE
+def _read_zero12(where: Path, model: dict[str, Any], state: PortableState, optim: list[dict]) -> None:
     shapes = _need(model, "param_shapes", where)
     first = optim[0]
     paddings = first.get("param_alignment_paddings")
@@ -320,25 +331,45 @@ def _read_zero3(tag_dir: Path, model: dict[str, Any], state: PortableState, opti
     state.loss_scaler = _scaler_state(outer.get("loss_scaler"), bool(outer.get("dynamic_loss_scale")), state.precision)
 
 
+def read_model_states(tag_dir: Path, mp: int, allow_pickle: bool) -> tuple[Path, dict[str, Any]]:
+    """(path, table) of tensor-parallel rank `mp`'s model states (ZeRO-3: data rank 0's)."""
+    model_path = tag_dir / model_file(mp)
+    zero3_models = _rank_files(tag_dir, _zero3_model_re(mp), 1)
+    if not model_path.is_file() and 0 in zero3_models:
+        model_path = zero3_models[0]
+    if not model_path.is_file():
+        raise CheckpointError(f"{tag_dir}: no {model_file(mp)} (nor zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt); "
+                              "not a DeepSpeed checkpoint tag directory, or one tensor-parallel rank's files are "
+                              "missing.")
+    model = load_pt(model_path, allow_pickle)
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{model_path}: holds a {type(model).__name__}, not DeepSpeed's model-states table.")
+    return model_path, model
+
+
 def read_deepspeed(tag_dir: str | Path, allow_pickle: bool = False) -> PortableState:
-    """A DeepSpeed 0.19 checkpoint tag directory, assembled into whole tensors.
+    """A DeepSpeed 0.19 checkpoint tag directory, assembled into whole tensors (an AutoTP one's
+    tensor-parallel pieces joined: read_autotp.py).
 
     Raises:
         CheckpointError: a missing, truncated or foreign file, a rank's file missing, files of
             another world size, or a pickle naming a type outside the allow-list.
     """
     tag_dir = Path(tag_dir)
-    zero3_models = _rank_files(tag_dir, _ZERO3_MODEL_RE, 1)
-    optim_files = _rank_files(tag_dir, _OPTIM_RE, 2)
-    model_path = tag_dir / MODEL_FILE
-    if not model_path.is_file() and 0 in zero3_models:
-        model_path = zero3_models[0]
-    if not model_path.is_file():
-        raise CheckpointError(f"{tag_dir}: no {MODEL_FILE} (nor zero_pp_rank_0_mp_rank_00_model_states.pt); "
-                              "not a DeepSpeed checkpoint tag directory.")
-    model = load_pt(model_path, allow_pickle)
-    if not isinstance(model, dict):
-        raise CheckpointError(f"{model_path}: holds a {type(model).__name__}, not DeepSpeed's model-states table.")
+    model_path, model = read_model_states(tag_dir, 0, allow_pickle)
+    parts = int(model.get("mp_world_size", 1) or 1)
+    if parts != 1:  # AutoTP: each tensor rank's pieces, joined
+        states = [read_tensor_rank(tag_dir, t, allow_pickle) for t in range(parts)]
+        return join_tensor_ranks(states, model, model_path)
+    return read_tensor_rank(tag_dir, 0, allow_pickle)
+
+
+def read_tensor_rank(tag_dir: Path, mp: int, allow_pickle: bool = False) -> PortableState:
+    """Tensor-parallel rank `mp`'s state: whole over the data-parallel ranks, that rank's pieces
+    of what AutoTP split (the whole state without tensor parallelism)."""
+    model_path, model = read_model_states(tag_dir, mp, allow_pickle)
+    zero3_models = _rank_files(tag_dir, _zero3_model_re(mp), 1)
+    optim_files = _rank_files(tag_dir, _optim_re(mp), 2)
     state = _common(model, model_path, allow_pickle)
     world = state.world_size
     if not optim_files:
@@ -346,10 +377,11 @@ def read_deepspeed(tag_dir: str | Path, allow_pickle: bool = False) -> PortableS
             raise CheckpointError(f"{tag_dir}: ZeRO-3 model states without any *_optim_states.pt file; copy "
                                   "the whole tag directory from the run that saved it.")
         state.stage = 0
-        _read_stage0(tag_dir, model, state)
+        _read_stage0(model_path, model, state)
         return state
     paths = _check_ranks(optim_files, world, tag_dir, "optimizer states",
-                         ("bf16_" if state.precision == "bf16" else "") + "zero_pp_rank_{}_mp_rank_00_optim_states.pt")
+                         ("bf16_" if state.precision == "bf16" else "") + "zero_pp_rank_{}_mp_rank_"
+                         + f"{mp:02d}_optim_states.pt")
     optim = []
     for path in paths:
         table = load_pt(path, allow_pickle)
@@ -363,9 +395,10 @@ def read_deepspeed(tag_dir: str | Path, allow_pickle: bool = False) -> PortableS
                               f"dp_world_size {world}; the files belong to different saves.")
     state.stage = stage
     if stage in (1, 2):
-        _read_zero12(tag_dir, model, state, optim)
+        _read_zero12(model_path, model, state, optim)
     elif stage == 3:
-        _check_ranks(zero3_models, world, tag_dir, "ZeRO-3 model states", "zero_pp_rank_{}_mp_rank_00_model_states.pt")
+        _check_ranks(zero3_models, world, tag_dir, "ZeRO-3 model states",
+                     "zero_pp_rank_{}_mp_rank_" + f"{mp:02d}_model_states.pt")
         _read_zero3(tag_dir, model, state, optim)
     else:
         raise CheckpointError(f"{paths[0]}: zero_stage {stage}; DeepSpeed stages are 0-3.")

@@ -16,6 +16,7 @@ import torch
 
 from zeroshard.checkpoint.base import CheckpointError
 from zeroshard.checkpoint.deepspeed.portable import ADAM_STATE_KEYS, PortableState
+from zeroshard.checkpoint.deepspeed.read_autotp import Joiner, whole_shapes_of
 from zeroshard.checkpoint.deepspeed.read_ds import (
     MODEL_FILE,
     _common,
@@ -23,6 +24,7 @@ from zeroshard.checkpoint.deepspeed.read_ds import (
     _need,
     _optimizer_class,
     _scaler_state,
+    read_model_states,
 )
 from zeroshard.checkpoint.deepspeed.unpickle import load_pt
 
@@ -54,11 +56,25 @@ def _param_file(tag_dir: Path, name: str, kind: str, allow_pickle: bool) -> Any:
     return _need(table, "param", path)
 
 
+def _join_frozen(tag_dir: Path, model: dict[str, Any], allow_pickle: bool) -> dict[str, torch.Tensor]:
+    """The frozen parameters of an AutoTP save, whole: each tensor rank's model states hold its
+    pieces (the `zero/` folder has the trained parameters only)."""
+    parts = int(model["mp_world_size"])
+    modules = [read_model_states(tag_dir, t, allow_pickle) for t in range(parts)]
+    joiner = Joiner(model["universal_checkpoint_info"], modules[0][0], parts)
+    frozen = model.get("frozen_param_shapes") or {}
+    return {name: joiner.join(name, [m["module"][name] for _, m in modules]) for name in frozen}
+
+
 def read_universal(tag_dir: str | Path, allow_pickle: bool = False) -> PortableState:
     tag_dir = Path(tag_dir)
     model_path = _model_file(tag_dir)
     model = load_pt(model_path, allow_pickle)
     state = _common(model, model_path, allow_pickle)
+    # AutoTP: ds_to_universal wrote whole tensors, the model states describe tensor rank 0's pieces.
+    whole_shapes = whole_shapes_of(model)
+    if whole_shapes is not None and state.frozen:
+        state.frozen = _join_frozen(tag_dir, model, allow_pickle)
     optimizer_path = tag_dir / ZERO_DIR / OPTIMIZER_FILE
     optim = load_pt(optimizer_path, allow_pickle)
     state.stage = int(optim.get("zero_stage", 2))
@@ -69,6 +85,8 @@ def read_universal(tag_dir: str | Path, allow_pickle: bool = False) -> PortableS
         step = None
         for name in names:
             shape = tuple(group_shapes[name])
+            if whole_shapes is not None:
+                shape = whole_shapes.get(name, shape)
             master = _param_file(tag_dir, name, "fp32", allow_pickle)
             if tuple(master.shape) != shape:
                 raise CheckpointError(f"{tag_dir / ZERO_DIR / name / 'fp32.pt'}: shape {list(master.shape)}, the model "
