@@ -3,6 +3,7 @@
     python benchmarks/interleaved.py                           # W=2, fp32, ddp,s0,s1,s2,s3
     python benchmarks/interleaved.py --world-size 4 --mode bf16 --steps 20
     python benchmarks/interleaved.py --config-extra '{"zero_optimization": {"reduce_bucket_size": 200000}}'
+    python benchmarks/interleaved.py --engines s0,s0-det,s1,s1-det,s2,s2-det,s3,s3-det   # the mode's cost
     python benchmarks/interleaved.py --device cuda --mode bf16   # NCCL, one GPU per rank
     python benchmarks/interleaved.py --engines s2-bare,s2,s3-bare,s3   # the hang watchdog's cost
     git worktree add /tmp/before <commit>                      # before/after a change:
@@ -96,11 +97,15 @@ def _zeroshard_runner(workload, mode: str, name: str, extra: dict, device: torch
     stage, _, variant = name[1:].partition("-")
     model = build_model(workload)
     config = _merge(_engine_config(workload, mode, int(stage)), extra)
+    if variant == "det":  # the deterministic reduction (docs/deterministic-reduction.md)
+        config = _merge(config, {"zeroshard": {"deterministic_reduction": True}})
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
     if variant == "nodirectuse":
         # Stage 3 without its direct-use mode (zeroshard/sharding/direct_use.py): the floor its
         # cost is measured against. Only for models that use no parameter outside its unit.
         engine._grads.params._mode = None
+    elif variant == "det":
+        pass  # the config above
     elif variant == "bare":
         # Its collectives neither recorded for the hang watchdog nor put on their phase's
         # channel, waited for plainly (zeroshard/comm/progress.py's `bypassed`): the floor the
@@ -113,7 +118,7 @@ def _zeroshard_runner(workload, mode: str, name: str, extra: dict, device: torch
 
         return bare
     elif variant:
-        raise ValueError(f"--engines {name}: unknown variant {variant!r} (known: nodirectuse, bare)")
+        raise ValueError(f"--engines {name}: unknown variant {variant!r} (known: nodirectuse, det, bare)")
     return lambda x, y: deepspeed_style_step(engine, x, y, device=device)[1]
 
 
@@ -215,7 +220,8 @@ def main() -> None:
                         help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r")
     parser.add_argument("--engines", default="ddp,s0,s1,s2,s3", help="ddp and/or sN (zeroshard stage N); "
                         "ratios are to the first; s3-nodirectuse: stage 3 without its direct-use mode; sN-bare: "
-                        "stage N without the hang watchdog's record and channels (docs/reliability.md)")
+                        "stage N without the hang watchdog's record and channels (docs/reliability.md); sN-det: "
+                        "stage N with the deterministic reduction")
     parser.add_argument("--config-extra", default="{}", help="JSON merged into every zeroshard config, e.g. "
                         "'{\"zero_optimization\": {\"reduce_bucket_size\": 200000}}'")
     parser.add_argument("--model", default="small")

@@ -187,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     row("g/fp8 speed 8b-shaped", lambda: fp8.fp8_speed(device), 240)
     row(f"k/hang watchdog {'nccl' if on_gpu else 'gloo'} + simulated peer", lambda: hang_row(device), 120)
 
+    from benchmarks.gpu_check import deterministic
+
+    # The CPU run keeps the check's code alive (tests/dist/grads/test_deterministic_reduction.py
+    # proves the mode on the CPU): one cell.
+    for stage in conformance.STAGES if on_gpu else (3,):
+        for mode in ("fp32", "bf16") if on_gpu else ("bf16",):
+            row(f"m/deterministic s{stage} {mode}",
+                lambda s=stage, m=mode: deterministic.tree_on_device(s, m, device), 60)
+
     size = model_bench.BenchSize.for_device(device, args.quick)
     box: dict = {}
 

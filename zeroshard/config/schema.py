@@ -118,6 +118,9 @@ class ZeroshardExtras(_Section):
         peak_tflops: this device's peak TFLOP/s, the flops_profiler's MFU denominator
             (DeepSpeed has no key for it); None = the rate of a matmul measured at startup
             of the profile (zeroshard/monitor/flops.py).
+        deterministic_reduction: sum each step's micro-batch gradients in one fixed pairwise
+            tree, so 1, 2, 4, 8, ... ranks train bit for bit alike (docs/deterministic-reduction.md;
+            the configs where it cannot hold are refused: zeroshard/config/deterministic.py).
         fp8: fp8 compute for large Linear layers (zeroshard/config/fp8.py).
         memory_budget_gb: GiB (2^30 bytes) a rank may use; `initialize` and the first forward
             refuse a config whose predicted peak exceeds it (docs/memory.md). Unset: the
@@ -132,6 +135,7 @@ class ZeroshardExtras(_Section):
     hang_timeout_s: float | None = Field(None, ge=0)
     hang_first_step_timeout_s: float | None = Field(None, gt=0)
     peak_tflops: float | None = Field(None, gt=0)
+    deterministic_reduction: bool = False
     fp8: Fp8Config = Field(default_factory=Fp8Config)
     memory_budget_gb: float | None = Field(None, gt=0)
 

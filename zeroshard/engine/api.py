@@ -232,6 +232,10 @@ class EngineAPI:
                 "coalesce_grad_reduction(): with managed_gradient_accumulation false, step() already "
                 "decides the boundary; call backward several times, then step()."
             )
+        if self.config.zeroshard.deterministic_reduction:
+            from zeroshard.engine.deterministic import refusal
+
+            raise refusal("engine.coalesce_grad_reduction()", "Call engine.backward and engine.step() per micro-batch.")
         if self.config.zero_optimization.stage == 0:
             raise NotImplementedError("coalesce_grad_reduction() needs ZeRO stage 1, 2 or 3 (as in DeepSpeed).")
         with self.accumulation.coalescing():

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 
 from zeroshard.checkpoint.preempt import Preemption
 from zeroshard.comm import faults
-from zeroshard.engine import setup
+from zeroshard.engine import deterministic, setup
 from zeroshard.engine.api import EngineAPI
 from zeroshard.engine.compile import CompileMixin
 from zeroshard.engine.hf_compat import HFCompat
@@ -76,6 +76,10 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         )
         self.offload = OffloadPlan.from_config(config.zero_optimization)
         self.layout = place_layout(layout, self.offload)  # where each role lives (offload.py)
+        # The deterministic reduction (engine/deterministic.py) cuts shards at its norm's blocks.
+        self.deterministic = config.zeroshard.deterministic_reduction
+        if self.deterministic:
+            self.layout = deterministic.aligned_layout(self.layout)
         self.world_size = self.layout.world_size
         self.global_rank = self.layout.rank
         # Sequence ranks share samples: gradients average over data-parallel replicas only.
@@ -98,6 +102,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         self.autoep_settings = transforms.autoep_settings
         self._load_balancer = transforms.load_balancer
         self.expert_group_names = transforms.expert_group_names
+        if self.deterministic:
+            deterministic.check_expert_groups(self.layout, self.expert_group_names)
         # AutoTP: the split (plan, group); the first batch is checked equal across the tensor group.
         self.autotp = transforms.autotp
         if self.autotp is not None:
@@ -134,11 +140,13 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
         self._step = OptimizerStep(
             self.flats, self.layout, plan.check_grad_overflow, self.loss_scaler,
             config.gradient_clipping, zero.allgather_bucket_size, self.device,
-            is_final=self.accumulation.is_boundary,
+            is_final=self.accumulation.is_boundary, deterministic=self.deterministic,
         )
         self.optimizer = setup.build_optimizer(
             optimizer, config, plan, transforms.hyper, self.flats, self._step.placement
         )
+        if self.deterministic and hasattr(self.optimizer, "batch_across_tasks"):
+            self.optimizer.batch_across_tasks = False  # Muon: one Newton-Schulz call per matrix
         # MuonClip (optim/muon/qk_clip/): logit capture in attention, rescaling after each step.
         self.qk_clip = attach_qk_clip(model, config, self.flats, self.layout, self.optimizer, self.device)
         self.lr_scheduler = setup.build_scheduler(lr_scheduler, config, self.optimizer)
@@ -191,7 +199,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
                 return x
 
             args, kwargs = tree_map(cast, (args, kwargs))
-        with forward_context(self.precision_plan, self.device.type, self._autocast_warned):
+        rng = deterministic.forward_rng(self) if self.deterministic else contextlib.nullcontext()
+        with forward_context(self.precision_plan, self.device.type, self._autocast_warned), rng:
             return self.module(*args, **kwargs)
 
     __call__ = forward
@@ -211,6 +220,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool, **kwargs: Any) -> torch.Tensor:
         steps = self.config.gradient_accumulation_steps
+        if self.deterministic and not scale_wrt_gas:
+            raise deterministic.refusal("engine.backward(scale_wrt_gas=False)", "Call engine.backward(loss).")
         faults.where.step = self.global_steps
         before = self.accumulation.backward_count
         (loss if scale_wrt_gas or steps == 1 else loss * steps).backward(retain_graph=retain_graph, **kwargs)
@@ -224,6 +235,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward calls inside keep their gradients local (no communication)."""
+        if self.deterministic:
+            raise deterministic.refusal("engine.no_sync()", "Drop the no_sync() block.")
         return self.accumulation.no_sync()
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -236,6 +249,8 @@ class Engine(CompileMixin, HFCompat, EngineAPI):
                 "engine.step() is the boundary. Call step() when the accumulation ends, or set "
                 "managed_gradient_accumulation to true."
             )
+        if self.deterministic:
+            deterministic.check_boundary(self, is_boundary)
         self.accumulation.override_boundary(is_boundary)
 
     # ------------------------------------------------------------------- step

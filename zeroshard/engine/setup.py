@@ -29,6 +29,7 @@ from zeroshard.grads.accumulation import Accumulation
 from zeroshard.grads.buffers import FlatGradients
 from zeroshard.grads.path import GradientPath
 from zeroshard.grads.reduce import GradientReducer, default_bucket_numel
+from zeroshard.grads.tree_reduce import TreeReducer
 from zeroshard.grads.views import GradViews
 from zeroshard.moe.utils import (
     attach_expert_groups,
@@ -341,13 +342,20 @@ def build_gradient_path(
     bucket_numel = zero.reduce_bucket_size
     if "reduce_bucket_size" not in zero.model_fields_set:
         bucket_numel = default_bucket_numel(comm.backend_name(layout.dense.shard), flats)
-    reducer = GradientReducer(
-        flats,
-        divisor=lambda: layout.data_parallel_size * config.gradient_accumulation_steps,
-        bucket_numel=bucket_numel,
-        landing=landing,  # offload: each reduced bucket goes to the host at once
-        streams=streams,  # CUDA: reductions on their own stream (zeroshard/sharding/streams.py)
-    )
+
+    def divisor() -> int:
+        return layout.data_parallel_size * config.gradient_accumulation_steps
+
+    # offload: each reduced bucket goes to the host at once (`landing`); CUDA: reductions on their
+    # own stream (zeroshard/sharding/streams.py).
+    if config.zeroshard.deterministic_reduction:
+        # One fixed tree over the step's micro-batches ([Note: the deterministic reduction]).
+        reducer: GradientReducer = TreeReducer(
+            flats, divisor, bucket_numel, is_final=accumulation.is_boundary,
+            accumulation_steps=lambda: config.gradient_accumulation_steps, landing=landing, streams=streams,
+        )
+    else:
+        reducer = GradientReducer(flats, divisor, bucket_numel, landing=landing, streams=streams)
     schedule = None
     if not policy.keep_full_params:
         # The schedule tells the path when a unit's inputs got their gradient; `path` is the
@@ -376,6 +384,16 @@ def build_dataloader(
     drop_last = config.dataloader_drop_last
     # The ranks that see different samples: tensor ranks share theirs.
     data = layout.data or layout.tensor_data or layout.world
+    if config.zeroshard.deterministic_reduction:
+        # Whole micro-batches dealt round-robin: micro-batch k holds the same samples at every
+        # world size (engine/micro_batches.py).
+        from zeroshard.engine.micro_batches import MicroBatchSampler
+
+        batches = MicroBatchSampler(
+            len(dataset), config.train_micro_batch_size_per_gpu, config.train_batch_size, data.size, data.rank,
+            shuffle=True, seed=config.seed or 0, drop_last=drop_last,
+        )
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, pin_memory=device.type == "cuda")
     sampler = DistributedSampler(
         dataset, num_replicas=data.size, rank=data.rank,
         shuffle=True, seed=config.seed or 0, drop_last=drop_last,

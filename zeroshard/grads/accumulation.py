@@ -52,6 +52,7 @@ class Accumulation:
         # Outermost training forwards (grad enabled, train mode) since the last optimizer
         # step: every rank must run as many (checked with the step's norm, zeroshard/step/optimizer_step.py).
         self.training_forwards = 0
+        self.forwards_since_backward = 0  # training forwards since the last backward ended
         self.unreduced = False  # local gradients a backward left for `flush`
         self.sync_enabled = True  # False inside no_sync() or coalesce_grad_reduction()
         self.in_coalesce = False
@@ -92,6 +93,7 @@ class Accumulation:
         self.phase = Phase.FORWARD
         if training:
             self.training_forwards += 1
+            self.forwards_since_backward += 1
 
     def backward_started(self) -> None:
         self.phase = Phase.BACKWARD
@@ -99,6 +101,7 @@ class Accumulation:
     def backward_ended(self, reduced: bool) -> None:
         """A backward's epilogue ran; it reduced every local gradient, or kept them local."""
         self.backward_count += 1
+        self.forwards_since_backward = 0
         self.phase = Phase.REDUCED if reduced else Phase.LOCAL
         self.unreduced = not reduced
 
@@ -176,6 +179,11 @@ class Accumulation:
         self.global_steps += 1
         self.global_samples += samples
         self._backwards_at_last_step = self.backward_count
+
+    @property
+    def backwards_this_step(self) -> int:
+        """Backward calls since the last boundary step (the micro-step's index within the step)."""
+        return self.backward_count - self._backwards_at_last_step
 
     def samples_since_last_step(self, train_batch_size: int, per_backward: int) -> int:
         """A train batch per step, or with unmanaged accumulation `per_backward` samples for

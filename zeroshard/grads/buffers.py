@@ -129,12 +129,26 @@ class FlatGradients:
         assert self.reduced_full is not None
         return self.reduced_full
 
+    def reduced_full_in_local(self) -> torch.Tensor:
+        """Stages 0-1 under the deterministic reduction (zeroshard/grads/tree_reduce.py): the
+        local buffer, whose values were already sent, becomes the whole reduced gradient (as an
+        in-place all-reduce makes it), so no second full buffer exists; returns it for the
+        gather to fill. A buffer of another dtype, or none, gives `reduced_full_buffer()`."""
+        local = self.local
+        if local is None or self.reduced is not None or local.dtype != self.flat.role.grad_accum_dtype:
+            return self.reduced_full_buffer()
+        self.reduced_full = local
+        self.reduced = self._master_part(local)
+        self._reduced_in_local = local
+        self.local = None
+        return local
+
     def _master_part(self, full: torch.Tensor) -> torch.Tensor:
         flat = self.flat
         return flat.shard_of(full) if flat.policy.shard_optimizer else full
 
     # -------------------------------------------------------------- reduction
-    def begin_reduction(self) -> tuple[torch.Tensor, bool]:
+    def begin_reduction(self, allow_in_place: bool = True) -> tuple[torch.Tensor, bool]:
         """Hand the local gradient to the reducer: (the settled local buffer, in place).
 
         In place when nothing reduced is waiting at stages 0-1: the local buffer becomes the
@@ -147,7 +161,8 @@ class FlatGradients:
         local = self.settled_local()
         flat = self.flat
         in_place = (
-            self.reduced is None
+            allow_in_place
+            and self.reduced is None
             and local.dtype == flat.role.grad_accum_dtype
             and not flat.policy.reduce_every_backward
         )

@@ -163,7 +163,7 @@ class GradientPath:
         boundary backward at stages 0-1."""
         if not self.state.sync_enabled:
             return False
-        return self.policy.reduce_every_backward or self.state.is_boundary()
+        return self.policy.reduce_every_backward or self.reducer.reduces_every_backward or self.state.is_boundary()
 
     def _make_hook(self, unit: Unit, flat, index: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
@@ -232,7 +232,7 @@ class GradientPath:
             for unit in pending:
                 self._queue(unit)
             self.reducer.finish()
-            if self.views is not None:
+            if self.views is not None and (not self.reducer.reduces_every_backward or self.state.is_boundary()):
                 self.views.expose()
         if self.params is not None:
             self.params.free_all()
@@ -258,4 +258,5 @@ class GradientPath:
                 flat.grads.drop()
             unit.has_local_grad = False
         self.state.gradients_dropped()
+        self.reducer.drop_accumulated()
         self.reducer.take_local_sum()  # dropped gradients name no rank

@@ -121,6 +121,10 @@ class GradientReducer:
             [Note: streams and events] in zeroshard/sharding/streams.py.
     """
 
+    # Whether every synced backward reduces whatever the stage (the deterministic reduction,
+    # tree_reduce.py); otherwise the stage's policy says (stages 2-3 do, stages 0-1 at the boundary).
+    reduces_every_backward = False
+
     def __init__(
         self,
         flats: list[FlatParamGroup],
@@ -178,7 +182,7 @@ class GradientReducer:
         # exists. It is adopted before staging: issuing a full bucket below may complete an
         # earlier piece of this very flat, whose result then lands in it; it only writes
         # columns already staged. Otherwise (stages 2-3) the local buffer is freed below.
-        local, in_place = flat.grads.begin_reduction()
+        local, in_place = self._take_local(flat)
         self._note_local(local)
         matrix = local.view(rows, cols)
         divisor = self._divisor()
@@ -212,6 +216,13 @@ class GradientReducer:
                 self._issue(key)
         if not in_place:
             flat.grads.end_reduction()  # every piece was copied into a bucket above
+
+    def _take_local(self, flat: FlatParamGroup) -> tuple[torch.Tensor, bool]:
+        """`flat`'s local gradient and whether the reduction writes back into it (buffers.py)."""
+        return flat.grads.begin_reduction()
+
+    def drop_accumulated(self) -> None:
+        """zero_grad(): forget partial sums held between backward calls (none here)."""
 
     def _reduce_directly(self, key: tuple, flat: FlatParamGroup, in_place: bool, same_dtype: bool) -> bool:
         """Whether `flat`'s local gradient can be the collective's input itself (the note above)."""

@@ -17,6 +17,7 @@ import warnings
 from zeroshard.comm.watchdog import resolve_timeouts
 from zeroshard.config.accumulation import unmanaged_accumulation_problems
 from zeroshard.config.base import _is_auto, _show
+from zeroshard.config.deterministic import deterministic_reduction_problems
 from zeroshard.config.error import raises_deepspeed_error
 from zeroshard.config.offload import offload_stage_problems
 from zeroshard.config.schema import (
@@ -72,6 +73,9 @@ def resolve_config(
     if not tainted & {"zero_optimization", "managed_gradient_accumulation"}:
         problems.extend(unmanaged_accumulation_problems(cfg))
     problems.extend(p for section, p in group_size_problems(cfg, world_size) if section not in tainted)
+    if not tainted & {"zeroshard", "sequence_parallel_size", "expert_parallel", "managed_gradient_accumulation",
+                      "tensor_parallel"}:
+        problems.extend(deterministic_reduction_problems(cfg, world_size))
     if "zeroshard" not in tainted:
         extras = cfg.zeroshard
         problems.extend(resolve_timeouts(

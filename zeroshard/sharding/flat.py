@@ -100,7 +100,8 @@ class FlatParamGroup:
             offset += n
         self.numel = offset
         ws = self.shard_size
-        self.shard_numel = max(1, -(-self.numel // ws))  # ceil, at least one element
+        align = spec.shard_align
+        self.shard_numel = max(1, -(-self.numel // (ws * align))) * align  # ceil, at least one element
         self.padded_numel = self.shard_numel * ws
         self.shard_start = self.shard_rank * self.shard_numel
 

@@ -98,6 +98,7 @@ class ShardingSpec:
     param_placement: str = "device"
     pin_memory: bool = False
     duplicate: Group | None = None
+    shard_align: int = 1  # shard sizes are a multiple of this (the deterministic reduction's norm blocks)
 
     @property
     def replication(self) -> int:

@@ -24,6 +24,7 @@ import torch
 
 from zeroshard.comm import collectives as comm
 from zeroshard.comm import faults, simulated
+from zeroshard.grads.tree_reduce import NORM_BLOCK_NUMEL, block_square_sums, pairwise_sum
 from zeroshard.precision.loss_scale import LossScaler
 from zeroshard.sharding.flat import FlatParamGroup
 from zeroshard.sharding.layout import PLACEMENTS, ParallelLayout
@@ -89,8 +90,10 @@ class OptimizerStep:
         publish_bucket_numel: int,
         device: torch.device,
         is_final: Callable[[], bool] | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.flats = flats
+        self.deterministic = deterministic
         self.layout = layout
         self.check_overflow = check_overflow
         self.loss_scaler = loss_scaler
@@ -195,25 +198,31 @@ class OptimizerStep:
         The last slot counts the ranks asked to stop by a signal (preemption): every rank
         leaves the step knowing whether any rank was, at no extra collective.
 
+        With the deterministic reduction the first slot stays zero and one slot follows per
+        block of NORM_BLOCK_NUMEL elements of every flat, at a position fixed by the flat and the
+        block: each rank writes its own blocks' sums of squares and leaves the others zero, so
+        the all-reduce returns each block's sum whatever order it adds in (x + 0 == x). Every
+        rank then sums them by the fixed tree ([Note: the deterministic reduction] in
+        zeroshard/grads/tree_reduce.py): the norm has the same bits at every world size.
+
         Every stage sums the same per-shard partial sums in the same order, so the norm
         (and hence clipping) is bitwise identical across stages. A flat replicated over R
         ranks contributes 1/R of its partial on each (zeroshard/sharding/layout.py's note), so every
         tensor counts once in the world's sum.
         """
-        partials = []
-        for flat in self.flats:
-            grad = flat.master.grad
-            shard = grad if flat.policy.shard_optimizer else flat.shard_of(grad)
-            partial = shard.float().pow(2).sum()
-            if flat.spec.copies > 1:
-                partial = partial / flat.spec.copies
-            partials.append(partial)
-        total = torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
         world = self.layout.world
         size = world.size
+        base = 2 + 3 * size  # the first block slot of the deterministic norm
+        blocks = self._block_slots() if self.deterministic else []
         # On the device even when the partials are on the host (offload): the wire's device.
-        packed = torch.zeros(2 + 3 * size, dtype=torch.float32, device=self.device)
-        packed[0] = total.to(device=self.device, dtype=torch.float32)
+        packed = torch.zeros(base + sum(count for _, _, count in blocks), dtype=torch.float32, device=self.device)
+        if self.deterministic:
+            for flat, start, count in blocks:
+                per_rank = count // flat.shard_size
+                first = base + start + flat.shard_rank * per_rank
+                packed[first : first + per_rank] = block_square_sums(self._grad_shard(flat)).to(self.device)
+        else:
+            packed[0] = self._shard_partials().to(device=self.device, dtype=torch.float32)
         if local_grad_sum is not None:
             packed[1 + world.rank] = (~torch.isfinite(local_grad_sum.to(packed.device))).float()
         # fp32 holds integers exactly below 2**24: counters modulo that still differ when
@@ -228,6 +237,11 @@ class OptimizerStep:
         comm.all_reduce(packed, group=world, tag="norm")
         if own is not None:
             packed = _peers_stand_in(packed, own, world)
+        if blocks:
+            # Each flat's blocks by the tree over block index, then the flats by the tree.
+            sums = [pairwise_sum(packed[base + start : base + start + count]) for _, start, count in blocks]
+            packed[0] = pairwise_sum(torch.stack(sums))
+        packed = packed[:base]
         # The step's one host read (see run's note; docs/gpu-streams.md). The GPU check's
         # host-sync row allows exactly this one per step (benchmarks/gpu_check/syncs.py).
         values = packed.tolist()
@@ -238,6 +252,30 @@ class OptimizerStep:
         faults.check_positions(world.ranks, values[size : 2 * size], values[2 * size : 3 * size])
         flags = values[:size]
         return norm, finite, tuple(world.ranks[i] for i, flag in enumerate(flags) if flag != 0)
+
+    @staticmethod
+    def _grad_shard(flat: FlatParamGroup) -> torch.Tensor:
+        grad = flat.master.grad
+        return grad if flat.policy.shard_optimizer else flat.shard_of(grad)
+
+    def _shard_partials(self) -> torch.Tensor:
+        """This rank's sum of squares over its shards (a flat replicated R times counts 1/R)."""
+        partials = []
+        for flat in self.flats:
+            partial = self._grad_shard(flat).float().pow(2).sum()
+            if flat.spec.copies > 1:
+                partial = partial / flat.spec.copies
+            partials.append(partial)
+        return torch.stack(partials).sum() if partials else torch.zeros((), device=self.device)
+
+    def _block_slots(self) -> list[tuple[FlatParamGroup, int, int]]:
+        """(flat, first slot, slots) of every flat's NORM_BLOCK_NUMEL-element blocks, in flat order."""
+        slots, start = [], 0
+        for flat in self.flats:
+            count = flat.padded_numel // NORM_BLOCK_NUMEL
+            slots.append((flat, start, count))
+            start += count
+        return slots
 
 
 def _peers_stand_in(packed: torch.Tensor, own: torch.Tensor, world: comm.Group) -> torch.Tensor:

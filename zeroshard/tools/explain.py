@@ -19,6 +19,7 @@ from zeroshard.comm.watchdog import resolve_timeouts
 from zeroshard.config.monitor import monitor_destinations
 from zeroshard.config.preemption import signal_number
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
+from zeroshard.grads.tree_reduce import NORM_BLOCK_NUMEL
 from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
 from zeroshard.resolve import resolve_config
 from zeroshard.tools.explain_memory import memory_keys, model_spec_for, print_memory_plan, states_only_keys
@@ -182,6 +183,7 @@ def explain_data(
         "autoep": _autoep_given(config) if config.expert_parallel.enabled else None,
         "tensor_parallel": _tensor_parallel_given(config, world_size),
         "checkpointing": _checkpointing(config),
+        "reduction": _reduction(config, world_size),
         "hangs": _hangs(config),
     }
     estimate: MemoryEstimate | None = None
@@ -382,6 +384,28 @@ def _placement(config: ZeroshardConfig) -> dict[str, Any]:
     }
 
 
+def _reduction(config: Any, world_size: int) -> dict[str, Any]:
+    """How a step's gradients are summed (docs/deterministic-reduction.md)."""
+    data = max(1, world_size // config.sequence_parallel_size)
+    micro_batches = data * config.gradient_accumulation_steps
+    return {
+        "deterministic": config.zeroshard.deterministic_reduction,
+        "micro_batches_per_step": micro_batches,
+        "shard_align": NORM_BLOCK_NUMEL if config.zeroshard.deterministic_reduction else 1,
+    }
+
+
+def _reduction_line(reduction: dict[str, Any]) -> str:
+    n = reduction["micro_batches_per_step"]
+    if reduction["deterministic"]:
+        return (f"reduction: deterministic, one pairwise tree over the {n} micro-batches of a step: the same bits "
+                "at every power-of-two world size (or any, without accumulation) with this micro-batch and "
+                f"train_batch_size; shards cut at multiples of {reduction['shard_align']} "
+                "(zeroshard.deterministic_reduction)")
+    return ("reduction: the collectives' order, which depends on the world size "
+            "(zeroshard.deterministic_reduction: the same bits at any world size)")
+
+
 def _checkpointing(config: ZeroshardConfig) -> dict[str, Any]:
     """How saves are written (checkpoint.writer.decoupled) and what a scheduler's signal does
     (the preemption section; docs/cluster.md)."""
@@ -535,6 +559,7 @@ def print_tables(data: dict[str, Any], file: Any = None) -> None:
     console.print(table)
     keys = precision.get("overflow_keys") or "always with fp16 loss scaling"
     console.print(f"skip steps with non-finite gradients: {precision['check_grad_overflow']} ({keys})")
+    console.print(_reduction_line(data["reduction"]))
     console.print(f"floating buffers: {precision.get('buffers', 'own dtype')} (data_types.buffer_dtype)")
     place = data["placement"]
     console.print(

@@ -28,7 +28,8 @@ def test_gpu_check_runs_on_cpu(tmp_path):
                    "e/autoep", "f/matmul", "f/model plain", "f/model fsdp2", "f/model zeroshard-s3",
                    "g/fp8 loss s3", "g/fp8 speed", "i/memory s0", "i/memory s3",
                    "j/model plain-compiled", "j/model zeroshard-s3-compiled",
-                   "j/model fsdp2-compiled", "k/hang watchdog", "l/autotp tp2 conformance"):
+                   "j/model fsdp2-compiled", "k/hang watchdog", "l/autotp tp2 conformance",
+                   "m/deterministic s3 bf16"):
         assert any(n.startswith(prefix) for n in names), f"no row {prefix!r} in {names}"
     assert sum(n.startswith("a/conformance") for n in names) == 16
     # The reference on the device against the CPU (here CPU against CPU: the same kernels, zero).

@@ -139,6 +139,10 @@ class ShardedMuon(CompilableNewtonSchulz, torch.optim.Optimizer):
         # nothing (zeroshard/memory/replay_step.py).
         self.gather = _gather_over_shard_group
         self._layouts: dict[int, _MuonLayout] = {}
+        # Matrices of one shape are orthogonalized in one batched call. False (the deterministic
+        # reduction): one call per matrix task, so each matrix meets the same kernels whatever
+        # the world size (which tasks a rank owns, hence its batches, depends on it).
+        self.batch_across_tasks = True
         if flats is not None:
             self.attach_flats(flats)
 
@@ -204,7 +208,8 @@ class ShardedMuon(CompilableNewtonSchulz, torch.optim.Optimizer):
         mine: dict[tuple[int, int], list[_MatrixTask]] = {}
         for task in layout.tasks:
             if task.owner == flat.shard_rank:
-                mine.setdefault((task.rows, task.cols), []).append(task)
+                key = (task.rows, task.cols) if self.batch_across_tasks else (task.name,)
+                mine.setdefault(key, []).append(task)
         for tasks in mine.values():
             batch = torch.cat([t.layout.to_blocks(full_u.narrow(0, t.flat_offset, t.numel)) for t in tasks])
             with timed("newton_schulz"):  # a Muon figure (zeroshard/monitor/timers.py)
