@@ -85,3 +85,15 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_the_plan_says_it_does_not_replay_the_deterministic_reduction(capsys, tmp_path):
+    """The deterministic reduction's buffers are not replayed (issue 43 on top of issue 39): the
+    plan must say so rather than pass for that mode's peak; without the mode it says nothing."""
+    raw = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    plain = explain(capsys, tmp_path, raw, "--model", "tiny", "--world-size", 2, "--seq", 16, "--device", "cpu")
+    assert not any("deterministic" in a for a in plain["assumptions"])
+    raw["zeroshard"] = {"deterministic_reduction": True}
+    memory = explain(capsys, tmp_path, raw, "--model", "tiny", "--world-size", 2, "--seq", 16, "--device", "cpu")
+    assert any("deterministic reduction" in a and "not replayed" in a for a in memory["assumptions"])
