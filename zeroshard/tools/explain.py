@@ -8,11 +8,8 @@ next to its run). A bad config raises `ConfigError`; a bad --model or --params `
 
 from __future__ import annotations
 
-import importlib
 import io
-import sys
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 from zeroshard.comm.watchdog import resolve_timeouts
@@ -20,9 +17,18 @@ from zeroshard.config.monitor import monitor_destinations
 from zeroshard.config.preemption import signal_number
 from zeroshard.config.schema import ConfigError, ZeroshardConfig
 from zeroshard.grads.tree_reduce import NORM_BLOCK_NUMEL
-from zeroshard.precision.plan import PrecisionPlan, assign_param_groups
+from zeroshard.precision.plan import assign_param_groups
 from zeroshard.resolve import resolve_config
 from zeroshard.tools.explain_memory import memory_keys, model_spec_for, print_memory_plan, states_only_keys
+from zeroshard.tools.explain_model import (
+    UsageError,
+    attention_split,
+    build_model_on_meta,
+    hf_model_on_meta,
+    model_report,
+    preset_names,
+    unit_numels,
+)
 from zeroshard.tools.memory import MemoryEstimate, bytes_per_param, estimate_for_config, optimizer_state_count
 
 __all__ = [
@@ -43,96 +49,9 @@ ROLE_ROWS = (
 _NAMES_SHOWN = 6
 
 
-class UsageError(Exception):
-    """A bad command-line argument (exit status 2)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Models for --model
-# ---------------------------------------------------------------------------------------------
-
-
-def preset_names() -> list[str]:
-    """Every model preset (zeroshard/models/presets.py's table)."""
-    try:
-        from zeroshard.models import preset_names as names
-    except ImportError:
-        return []
-    return names()
-
-
-def build_model_on_meta(spec: str) -> Any:
-    """Build ``spec`` on the meta device: shapes without memory.
-
-    Args:
-        spec: a model preset (``tiny``, ``1b``, ``8b``, ``70b``, ``moonlight-16b-a3b``, ...: zeroshard.models)
-            or ``module:factory``,
-            where ``factory()`` (a function or class, called without arguments) returns an
-            ``nn.Module``.
-
-    Raises:
-        UsageError: when the spec does not name a preset or an importable factory.
-    """
-    import torch
-    from torch import nn
-
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        if "" not in sys.path and "." not in sys.path:
-            sys.path.insert(0, "")  # as `python -m` does, so a module in the working directory imports
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise UsageError(f"--model {spec}: cannot import {attr!r} from {module_name!r} ({exc}).") from None
-        build: Callable[[], Any] = factory
-    else:
-        try:
-            from zeroshard.models import build_model
-        except ImportError as exc:
-            raise UsageError(f"--model {spec}: the model presets are unavailable ({exc}).") from None
-        if spec not in preset_names():
-            raise UsageError(
-                f"--model {spec}: unknown preset; use one of {', '.join(preset_names())}, or module:factory."
-            )
-
-        def build() -> Any:
-            return build_model(spec)
-
-    with torch.device("meta"):
-        model = build()
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"--model {spec}: the factory returned {type(model).__name__}, not an nn.Module.")
-    return model
-
-
-def _unit_numels(model: Any, config: ZeroshardConfig) -> list[int] | None:
-    """Element counts of the engine's units for this model, if the engine's unit rule is importable."""
-    try:
-        from zeroshard.sharding.units import plan_units
-    except ImportError:
-        return None
-    extras = config.zeroshard
-    specs = plan_units(model, extras.unit_module_classes, extras.unit_min_params)
-    return [sum(p.numel() for p in spec.params) for spec in specs if spec.params]
-
-
 # ---------------------------------------------------------------------------------------------
 # explain
 # ---------------------------------------------------------------------------------------------
-
-
-def _model_report(model: Any, plan: PrecisionPlan) -> dict[str, Any]:
-    groups = assign_param_groups(plan, model)
-    params = dict(model.named_parameters())
-    report: dict[str, Any] = {"num_params": sum(p.numel() for p in params.values()), "groups": {}}
-    for group in plan.groups:
-        names = [name for name, g in groups.items() if g == group]
-        report["groups"][group] = {
-            "num_params": sum(params[n].numel() for n in names),
-            "num_tensors": len(names),
-            "params": names,
-        }
-    return report
 
 
 def explain_data(
@@ -191,7 +110,7 @@ def explain_data(
     if hf_config is not None:
         model_spec = None
     if model_spec is not None or hf_config is not None:
-        model = build_model_on_meta(model_spec) if hf_config is None else _hf_model_on_meta(hf_config)
+        model = build_model_on_meta(model_spec) if hf_config is None else hf_model_on_meta(hf_config)
         model_spec = model_spec or f"hf-config {hf_config}"
         if config.expert_parallel.enabled:
             from zeroshard.moe.autoep.swap import replace_moe_layers
@@ -199,9 +118,9 @@ def explain_data(
             settings, names = replace_moe_layers(model, config.expert_parallel, world_size)
             data["autoep"] = {"autoep_size": config.expert_parallel.autoep_size, "layers": names,
                               "settings": settings.explain_lines()}
-        data["model"] = {"spec": model_spec, **_model_report(model, plan)}
+        data["model"] = {"spec": model_spec, **model_report(model, plan)}
         if config.sequence_parallel_size > 1:
-            data["parallel"]["attention"] = _attention_split(model, config.sequence_parallel_size)
+            data["parallel"]["attention"] = attention_split(model, config.sequence_parallel_size)
         if plan.fp8 is not None:
             from zeroshard.precision.fp8 import fp8_linear_plan
 
@@ -221,7 +140,7 @@ def explain_data(
             )
             # Each rank's pieces and whole parameters, sharded over its data-parallel group.
             estimate_world = world_size // config.tensor_parallel.size
-        units = _unit_numels(model, config)
+        units = unit_numels(model, config)
         if units is not None:
             data["model"]["units"] = {"count": len(units), "largest_numel": max(units, default=0)}
         from zeroshard.moe.report import moe_report
@@ -310,20 +229,6 @@ def _print_tensor_parallel(console: Any, tensor: dict[str, Any]) -> None:
                       soft_wrap=True)
     for warning in tensor["warnings"]:
         console.print(f"  note: {warning}", soft_wrap=True)
-
-
-def _hf_model_on_meta(path: str) -> Any:
-    """A Hugging Face causal LM from its config, on the meta device (for the model report)."""
-    import torch
-
-    from zeroshard.memory import hf_config_spec
-
-    try:
-        spec = hf_config_spec(path)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    with torch.device("meta"):
-        return spec.build()
 
 
 def _print_muon_groups(console: Any, groups: list[dict[str, Any]]) -> None:
@@ -493,24 +398,6 @@ def _parallel_layout(sequence_parallel_size: int, world_size: int) -> dict[str, 
         # attention holds the whole sequence for 1/P of the heads: the same fraction.
         "activation_fraction": 1 / sp,
     }
-
-
-def _attention_split(model: Any, sp: int) -> dict[str, Any] | None:
-    """How Ulysses splits the model's attention heads over the `sp` ranks of a sequence group
-    (zeroshard/sequence/layer.py head_split, DeepSpeed's uneven split) and the share of the
-    whole-sequence attention activations the busiest rank holds; None when the model's config
-    names no head count."""
-    from zeroshard.sequence.layer import head_split
-
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
-    if not isinstance(heads, int) or heads < sp:
-        return None
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    q_counts, kv_counts, _ = head_split(heads, kv_heads, sp)
-    return {"heads": heads, "kv_heads": kv_heads, "query_heads_per_rank": q_counts, "kv_heads_per_rank": kv_counts,
-            "busiest_fraction": max(q_counts) / heads}
 
 
 def _human(nbytes: float) -> str:

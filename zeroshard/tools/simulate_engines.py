@@ -114,14 +114,15 @@ class ZeroshardRunner(_Runner):
     def __init__(
         self, raw_config: dict, build: Callable[[], nn.Module], device: torch.device, stage: int, zero_init: bool = True
     ) -> None:
-        import zeroshard
+        from zeroshard.engine.initialize import initialize
+        from zeroshard.zero import Init
 
         super().__init__(raw_config, build, device)
         use_init = stage == 3 and zero_init
-        init = zeroshard.zero.Init(config_dict_or_path=raw_config) if use_init else contextlib.nullcontext()
+        init = Init(config_dict_or_path=raw_config) if use_init else contextlib.nullcontext()
         with device, init:
             model = build()
-        self.engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=raw_config)
+        self.engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=raw_config)
 
     @property
     def module(self) -> nn.Module:
