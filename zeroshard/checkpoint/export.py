@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from zeroshard.checkpoint.async_save import join_writer
 from zeroshard.checkpoint.deepspeed.convert import deepspeed_tag_dir
 from zeroshard.checkpoint.deepspeed.fp32 import deepspeed_fp32_state_dict
-from zeroshard.checkpoint.export_16bit import stream_16bit, streamable
+from zeroshard.checkpoint.export_16bit import gathered_parameters, stream_16bit, streamable
 from zeroshard.checkpoint.files import write_via_private_dir
 from zeroshard.checkpoint.format import CheckpointReader, resolve_checkpoint_dir, str_to_dtype
 from zeroshard.checkpoint.frozen import frozen_state, moe_expert_places, whole_by_saved_name
@@ -148,17 +148,8 @@ def consolidated_16bit_state_dict(
     # gathered over its group and written by its global name (checkpoint/frozen.py).
     places = moe_expert_places(engine.module)
     managed: dict[str, torch.Tensor] = {}
-    for unit in engine.units:
-        was_gathered = unit.gathered
-        if not was_gathered:
-            unit.gather(tag="export", exact=True)  # bit-exact parameters, not the wire dtype
-        try:
-            for flat in unit.flats:
-                for name, p in zip(flat.names, flat.params, strict=True):
-                    managed.update(whole_by_saved_name(engine, name, p, places, keep=rank0))
-        finally:
-            if not was_gathered:
-                unit.free()
+    for name, p in gathered_parameters(engine):
+        managed.update(whole_by_saved_name(engine, name, p, places, keep=rank0))
 
     aliases, frozen_names, _ = module_names(engine)
     frozen = frozen_state(engine, frozen_names, keep=rank0)

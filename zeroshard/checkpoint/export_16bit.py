@@ -12,6 +12,7 @@ are gathered over their own groups and renamed) take the whole-dict path of expo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +70,25 @@ class _Rank0Writer:
             self.error = exc
 
 
-def _gather_and_write(engine: Any, writer: _Rank0Writer, frozen: list[str]) -> None:
+def gathered_parameters(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every managed parameter by name, whole: each unit gathered in turn (bit-exact, not in the
+    wire dtype) and freed again after its parameters are used, so no rank holds more than one
+    unit's full parameters beyond what training holds. Collective: every rank iterates it all."""
     for unit in engine.units:
         was_gathered = unit.gathered
         if not was_gathered:
-            unit.gather(tag="export", exact=True)  # bit-exact parameters, not the wire dtype
+            unit.gather(tag="export", exact=True)
         try:
             for flat in unit.flats:
-                for name, p in zip(flat.names, flat.params, strict=True):
-                    writer.write(name, p.detach())
+                yield from zip(flat.names, flat.params, strict=True)
         finally:
             if not was_gathered:
                 unit.free()
+
+
+def _gather_and_write(engine: Any, writer: _Rank0Writer, frozen: list[str]) -> None:
+    for name, p in gathered_parameters(engine):
+        writer.write(name, p.detach())
     module = engine.module
     params = dict(module.named_parameters(remove_duplicate=False))
     for name in frozen:  # whole on every rank already
